@@ -1,0 +1,1 @@
+"""Data: CoNLL-U treebanks, pinned sources, word vectors."""

@@ -1,0 +1,199 @@
+"""CoNLL-U reading (validated) and writing with predicted heads."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ConlluError", "Sentence", "read_conllu", "write_conllu_with_heads"]
+
+N_COLS = 10
+
+
+class ConlluError(ValueError):
+    """Malformed CoNLL-U; message is ``"{path}:{lineno}: <problem>"``."""
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """One sentence block; word-level fields are aligned with ``words``."""
+
+    sent_id: str | None
+    text: str | None
+    words: tuple[str, ...]  # (n,) syntactic words (multiword parts, no empty nodes)
+    upos: tuple[str, ...]  # (n,)
+    heads: tuple[int, ...]  # (n,) 0 = root, else 1-based word index
+    deprels: tuple[str, ...]  # (n,)
+    misc: tuple[str, ...]  # (n,) MISC column
+    lines: tuple[str, ...]  # raw block lines incl. comments, no newline
+    doc_id: str | None
+    line_no: int  # 1-based line of the block start
+
+    @property
+    def n(self) -> int:
+        return len(self.words)
+
+
+def _int(s: str) -> int | None:
+    return int(s) if s.isascii() and s.isdigit() else None
+
+
+class _Block:
+    __slots__ = ("start", "lines", "sent_id", "text", "words", "upos", "heads",
+                 "head_lines", "deprels", "misc", "range_end")
+
+    def __init__(self, start: int):
+        self.start = start
+        self.lines: list[str] = []
+        self.sent_id: str | None = None
+        self.text: str | None = None
+        self.words: list[str] = []
+        self.upos: list[str] = []
+        self.heads: list[int] = []
+        self.head_lines: list[int] = []
+        self.deprels: list[str] = []
+        self.misc: list[str] = []
+        self.range_end = 0
+
+
+def read_conllu(path: str | os.PathLike) -> list[Sentence]:
+    """Read and validate a CoNLL-U file into sentences."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"CoNLL-U file not found: {path}")
+    with open(path, encoding="utf-8-sig") as f:
+        raw = f.read().splitlines()
+
+    out: list[Sentence] = []
+    doc_id: str | None = None
+    blk: _Block | None = None
+
+    def err(lineno: int, what: str) -> ConlluError:
+        return ConlluError(f"{path}:{lineno}: {what}")
+
+    def finish(b: _Block) -> None:
+        n = len(b.words)
+        if n == 0:
+            raise err(b.start, "sentence block has no word lines")
+        if b.range_end > n:
+            raise err(b.start, f"multiword token range ends at {b.range_end} but sentence has {n} words")
+        for i, (h, ln) in enumerate(zip(b.heads, b.head_lines), start=1):
+            if h > n:
+                raise err(ln, f"HEAD {h} out of range 0..{n}")
+            if h == i:
+                raise err(ln, f"word {i} is its own head")
+        out.append(Sentence(
+            sent_id=b.sent_id, text=b.text, words=tuple(b.words), upos=tuple(b.upos),
+            heads=tuple(b.heads), deprels=tuple(b.deprels), misc=tuple(b.misc),
+            lines=tuple(b.lines), doc_id=doc_id, line_no=b.start,
+        ))
+
+    for lineno, line in enumerate(raw, start=1):
+        if not line.strip():
+            if blk is not None:
+                finish(blk)
+                blk = None
+            continue
+        if blk is None:
+            blk = _Block(lineno)
+        blk.lines.append(line)
+        if line[0] == "#":
+            key, eq, val = line[1:].partition("=")
+            key = key.strip()
+            if key == "sent_id" and eq:
+                blk.sent_id = val.strip()
+            elif key == "text" and eq:
+                blk.text = val.strip()
+            elif key == "newdoc id" and eq:
+                doc_id = val.strip()
+            elif key == "newdoc":
+                doc_id = None
+            continue
+        cols = line.split("\t")
+        if len(cols) != N_COLS:
+            raise err(lineno, f"expected {N_COLS} tab-separated columns, got {len(cols)}")
+        tid = cols[0]
+        n_prev = len(blk.words)
+        if "-" in tid:
+            a, _, b = tid.partition("-")
+            ia, ib = _int(a), _int(b)
+            if ia is None or ib is None or ia >= ib:
+                raise err(lineno, f"invalid multiword token range {tid!r}")
+            if ia != n_prev + 1:
+                raise err(lineno, f"multiword token range {tid!r} does not start at next word id {n_prev + 1}")
+            blk.range_end = ib
+            continue
+        if "." in tid:
+            a, _, b = tid.partition(".")
+            if _int(a) is None or _int(b) is None or int(a) != n_prev:
+                raise err(lineno, f"invalid empty node id {tid!r}")
+            continue
+        i = _int(tid)
+        if i is None:
+            raise err(lineno, f"invalid word id {tid!r}")
+        if i != n_prev + 1:
+            raise err(lineno, f"word id {i} is not consecutive (expected {n_prev + 1})")
+        h = _int(cols[6])
+        if h is None:
+            raise err(lineno, f"HEAD {cols[6]!r} is not a non-negative integer")
+        blk.words.append(cols[1])
+        blk.upos.append(cols[3])
+        blk.heads.append(h)
+        blk.head_lines.append(lineno)
+        blk.deprels.append(cols[7])
+        blk.misc.append(cols[9])
+    if blk is not None:
+        finish(blk)
+    return out
+
+
+def _is_word_line(line: str) -> bool:
+    if not line or line[0] == "#":
+        return False
+    tid = line.split("\t", 1)[0]
+    return tid.isascii() and tid.isdigit()
+
+
+def write_conllu_with_heads(
+    sentences: Sequence[Sentence],
+    heads: Iterable[Sequence[int]],
+    path: str | os.PathLike,
+) -> Path:
+    """Write ``sentences`` with HEAD (column 7) of word lines set to ``heads``; atomic."""
+    path = Path(path)
+    heads = list(heads)
+    if len(heads) != len(sentences):
+        raise ValueError(f"got {len(heads)} head sequences for {len(sentences)} sentences")
+    chunks: list[str] = []
+    for s, hs in zip(sentences, heads):
+        hs = [int(h) for h in hs]
+        if len(hs) != s.n:
+            raise ValueError(
+                f"sentence {s.sent_id!r} (line {s.line_no}): got {len(hs)} heads for {s.n} words")
+        bad = [h for h in hs if not 0 <= h <= s.n]
+        if bad:
+            raise ValueError(f"sentence {s.sent_id!r} (line {s.line_no}): head {bad[0]} out of range 0..{s.n}")
+        k = 0
+        for line in s.lines:
+            if _is_word_line(line):
+                cols = line.split("\t")
+                cols[6] = str(hs[k])
+                k += 1
+                line = "\t".join(cols)
+            chunks.append(line + "\n")
+        chunks.append("\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(chunks)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

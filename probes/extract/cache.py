@@ -1,0 +1,124 @@
+"""Keyed, versioned on-disk cache of word-level attention maps.
+
+Layout of one cache entry `<cache_dir>/attention/<slug>-<hash>/`:
+  manifest.json        key, sizes, shard list, skipped sentences (written last)
+  maps-r<rank>.f16     float16 maps of the sentences that rank wrote, back to back
+  index-r<rank>.npy    (N_r, 3) int64 rows: sentence index, element offset, side W
+A map of a sentence with n words has side W = n + 2 ([CLS], words, [SEP]) and shape (L, H, W, W).
+An entry is built in `<entry>.partial/` and renamed into place once complete, so nothing that
+lacks a manifest is ever read; an interrupted build is deleted and redone by the next run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+
+def cache_key_hash(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def entry_dir(cache_dir: str | Path, key: dict) -> Path:
+    slug = "-".join(str(key[k]) for k in ("encoder", "dataset", "split")).replace("/", "_")
+    return Path(cache_dir) / "attention" / f"{slug}-{cache_key_hash(key)}"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Appends one rank's maps to its shard; `close()` fsyncs the data and writes the index."""
+
+    def __init__(self, partial_dir: Path, rank: int):
+        self.data_path = partial_dir / f"maps-r{rank}.f16"
+        self.index_path = partial_dir / f"index-r{rank}.npy"
+        self._f = open(self.data_path, "wb")
+        self._rows: list[tuple[int, int, int]] = []
+        self._offset = 0
+
+    def write(self, sentence_index: int, maps: np.ndarray) -> None:
+        """maps: (L, H, W, W) float16."""
+        assert maps.dtype == np.float16 and maps.shape[-1] == maps.shape[-2]
+        self._f.write(np.ascontiguousarray(maps).tobytes())
+        self._rows.append((sentence_index, self._offset, maps.shape[-1]))
+        self._offset += maps.size
+
+    def close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        np.save(self.index_path, np.asarray(self._rows, dtype=np.int64).reshape(-1, 3))
+
+
+def finalize(partial_dir: Path, final_dir: Path, manifest: dict) -> None:
+    """Check the shards cover every expected sentence once, write the manifest, rename into place."""
+    shards = sorted(p.name for p in partial_dir.glob("maps-r*.f16"))
+    seen = np.concatenate([np.load(partial_dir / s.replace("maps", "index").replace(".f16", ".npy"))[:, 0]
+                           for s in shards]) if shards else np.zeros(0, dtype=np.int64)
+    expected = set(range(manifest["n_sentences"])) - set(manifest["skipped"])
+    if len(seen) != len(set(seen.tolist())) or set(seen.tolist()) != expected:
+        raise RuntimeError(f"cache shards in {partial_dir} do not cover each sentence exactly once")
+    manifest = dict(manifest, shards=shards, bytes=sum((partial_dir / s).stat().st_size for s in shards))
+    atomic_write_text(partial_dir / "manifest.json", json.dumps(manifest, indent=1))
+    if final_dir.exists():
+        shutil.rmtree(final_dir)
+    os.replace(partial_dir, final_dir)
+
+
+class AttentionCache:
+    """Read-only view of a complete cache entry; maps are memory-mapped and read lazily."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        manifest = self.path / "manifest.json"
+        if not manifest.exists():
+            raise FileNotFoundError(f"no complete attention cache at {self.path} (missing manifest.json)")
+        self.manifest = json.loads(manifest.read_text())
+        if self.manifest["format_version"] != FORMAT_VERSION:
+            raise ValueError(f"{manifest}: cache format {self.manifest['format_version']}, expected {FORMAT_VERSION}")
+        self.num_layers = self.manifest["num_layers"]
+        self.num_heads = self.manifest["num_heads"]
+        n = self.manifest["n_sentences"]
+        self._where = np.full((n, 3), -1, dtype=np.int64)  # (N, 3): shard, offset, side
+        for s, shard in enumerate(self.manifest["shards"]):
+            idx = np.load(self.path / shard.replace("maps", "index").replace(".f16", ".npy"))
+            self._where[idx[:, 0], 0] = s
+            self._where[idx[:, 0], 1:] = idx[:, 1:]
+        self._maps: list[np.memmap] | None = None  # opened on first access in each process
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def skipped(self) -> list[int]:
+        return self.manifest["skipped"]
+
+    def __contains__(self, i: int) -> bool:
+        return self._where[i, 0] >= 0
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """(L, H, W, W) float16 memory-mapped view of sentence i's word-level maps."""
+        shard, offset, side = self._where[i]
+        if shard < 0:
+            raise KeyError(f"sentence {i} is not in cache {self.path} (skipped: longer than the encoder's maximum)")
+        if self._maps is None:
+            self._maps = [np.memmap(self.path / s, dtype=np.float16, mode="r") for s in self.manifest["shards"]]
+        size = self.num_layers * self.num_heads * side * side
+        return self._maps[shard][offset:offset + size].reshape(self.num_layers, self.num_heads, side, side)
+
+    def __getstate__(self):
+        return dict(self.__dict__, _maps=None)

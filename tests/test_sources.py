@@ -1,0 +1,142 @@
+"""Pinned downloads against a local HTTP server; Treebank from the YAML config."""
+
+import functools
+import hashlib
+import os
+import socket
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from probes.data.sources import ChecksumError, Treebank, ensure_file
+
+REPO = Path(__file__).resolve().parents[1]
+PAYLOAD = b"1\thello\t_\t_\t_\t_\t0\troot\t_\t_\n\n" * 1000
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server(tmp_path):
+    root = tmp_path / "srv"
+    root.mkdir()
+    (root / "a.conllu").write_bytes(PAYLOAD)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
+    httpd.timeout = 5
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        t.join(timeout=5)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_download_ok(server, tmp_path, caplog):
+    dest = tmp_path / "data" / "tb" / "a.conllu"
+    sha = hashlib.sha256(PAYLOAD).hexdigest()
+    with caplog.at_level("INFO", logger="probes.data.sources"):
+        assert ensure_file(dest, f"{server}/a.conllu", sha) == dest
+    assert dest.read_bytes() == PAYLOAD
+    assert not dest.with_suffix(".conllu.part").exists()
+    assert "downloading" in caplog.text
+    # present: returned as is, no network needed
+    assert ensure_file(dest, f"http://127.0.0.1:{_closed_port()}/x", "0" * 64, download=False) == dest
+
+
+def test_download_without_pin_logs_digest(server, tmp_path, caplog):
+    dest = tmp_path / "a.conllu"
+    with caplog.at_level("WARNING", logger="probes.data.sources"):
+        ensure_file(dest, f"{server}/a.conllu", None)
+    assert hashlib.sha256(PAYLOAD).hexdigest() in caplog.text
+
+
+def test_wrong_sha(server, tmp_path):
+    dest = tmp_path / "dl" / "a.conllu"
+    url = f"{server}/a.conllu"
+    with pytest.raises(ChecksumError) as ei:
+        ensure_file(dest, url, "0" * 64)
+    msg = str(ei.value)
+    assert url in msg and "0" * 64 in msg and hashlib.sha256(PAYLOAD).hexdigest() in msg
+    assert not dest.exists() and not dest.with_suffix(".conllu.part").exists()
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_missing_no_download(tmp_path):
+    dest = tmp_path / "tb" / "a.conllu"
+    with pytest.raises(FileNotFoundError) as ei:
+        ensure_file(dest, "http://example.invalid/a.conllu", None, download=False)
+    assert str(dest) in str(ei.value) and "PROBES_DATA_DIR" in str(ei.value)
+    with pytest.raises(FileNotFoundError, match="a.conllu"):
+        ensure_file(dest, None, None)
+
+
+def test_unreachable(tmp_path):
+    dest = tmp_path / "a.conllu"
+    url = f"http://127.0.0.1:{_closed_port()}/x"
+    with pytest.raises(FileNotFoundError) as ei:
+        ensure_file(dest, url, None)
+    assert str(dest) in str(ei.value) and url in str(ei.value)
+    assert not dest.exists() and not dest.with_suffix(".conllu.part").exists()
+
+
+def test_404(server, tmp_path):
+    with pytest.raises(FileNotFoundError, match="404"):
+        ensure_file(tmp_path / "b.conllu", f"{server}/b.conllu", None)
+
+
+def test_treebank(server, tmp_path):
+    tb = Treebank(name="tb", data_dir=str(tmp_path / "d"), subdir="tb", files={"train": "a.conllu"},
+                  urls={"train": f"{server}/a.conllu"}, sha256=None)
+    assert tb.path("train") == tmp_path / "d" / "tb" / "a.conllu"
+    with pytest.raises(KeyError, match="train"):
+        tb.path("dev")
+    assert len(tb.read("train")) == 1000
+    assert tb.file_sha256("train") == hashlib.sha256(PAYLOAD).hexdigest()
+    tb.path("train").write_bytes(b"changed")
+    assert tb.file_sha256("train") == hashlib.sha256(PAYLOAD).hexdigest()  # memoised
+
+
+def _shared() -> Path:
+    d = Path(os.environ.get("PROBES_DATA_DIR") or REPO / ".." / "shared" / "data")
+    if not (d / "ud_english_ewt").is_dir():
+        pytest.skip(f"shared data not found at {d}")
+    return d
+
+
+@pytest.mark.slow
+def test_treebank_from_config():
+    d = _shared()
+    cfg = OmegaConf.load(REPO / "conf" / "data" / "ewt.yaml")
+    cfg.treebank.data_dir = str(d)
+    tb = instantiate(cfg.treebank)
+    assert isinstance(tb, Treebank) and tb.name == cfg.name
+    assert tb.path("test") == d / "ud_english_ewt" / "en_ewt-ud-test.conllu"
+    assert len(tb.read("test")) == 2077
+    assert tb.file_sha256("test") == cfg.treebank.sha256.test
+
+
+@pytest.mark.slow
+def test_config_pins_match_shared():
+    d = _shared()
+    for name, pinned in [("ewt", {"train", "dev", "test"}), ("gum", {"dev", "test"})]:
+        cfg = OmegaConf.load(REPO / "conf" / "data" / f"{name}.yaml")
+        cfg.treebank.data_dir = str(d)
+        tb = instantiate(cfg.treebank)
+        assert set(tb.sha256) == pinned and set(tb.urls) == {"train", "dev", "test"}
+        for split in pinned:
+            assert tb.file_sha256(split) == tb.sha256[split], (name, split)
