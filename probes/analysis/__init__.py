@@ -1,0 +1,20 @@
+"""Attention analyses of Clark et al. 2019, "What Does BERT Look At?" (sections 3-5).
+
+Run with ``python -m probes.analyze analysis=<name>``; one module per analysis:
+
+* :mod:`probes.analysis.head_stats` - surface statistics per head (Clark §3, Figs 1, 2, 4), wordpiece level.
+* :mod:`probes.analysis.dep_heads` - dependency relations per head vs fixed-offset baselines
+  (Clark §4.1, Table 1), word level from the attention cache.
+* :mod:`probes.analysis.clustering` - Jensen-Shannon distances between heads and their 2-D MDS
+  embedding (Clark §5, Fig 6), wordpiece level.
+
+Conventions: every file (CSV, JSON) uses **0-based** ``layer`` and ``head`` columns; figures and
+the ``name`` columns use the paper's **1-based** ``layer-head`` names (``8-10`` is layer index 7,
+head index 9). Attention maps are ``(L, H, T, T)`` with rows = attending (from) position and
+columns = attended (to) position; rows sum to 1. Pure computations live in
+:mod:`probes.analysis.metrics` and take plain tensors, so tests can feed synthetic attention.
+"""
+
+from probes.analysis.naming import head_name
+
+__all__ = ["head_name"]

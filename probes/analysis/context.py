@@ -1,0 +1,200 @@
+"""The object every analysis receives: config, output folder, lazy data/model access, outputs.
+
+An analysis is a plain function ``fn(ctx, *, split, max_sentences, **params)``; its Hydra node
+(``conf/analysis/<name>.yaml``) names it with ``_target_`` and ``_partial_: true``, and
+:func:`run_analysis` instantiates that node and calls it with one :class:`AnalysisContext`.
+
+Outputs: :meth:`AnalysisContext.save_table` writes a tidy CSV (and a wandb Table),
+:meth:`~AnalysisContext.save_figure` a PNG (and a wandb Image), :meth:`~AnalysisContext.log_summary`
+merges scalars into ``summary.json`` (and the wandb run summary). Every file is written to a
+temporary name in the output folder and renamed into place, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import tempfile
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# Tables larger than this are written as CSV but not uploaded to wandb as a Table.
+WANDB_TABLE_MAX_ROWS = 50_000
+
+
+def _atomic_write(path: Path, write) -> Path:
+    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _to_plain(cfg: DictConfig) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # e.g. ${hydra:...} outside a Hydra app
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+class AnalysisContext:
+    """Config + output folder + lazy encoder/treebank/cache + writers (CSV/PNG/JSON, wandb)."""
+
+    def __init__(self, cfg: DictConfig, output_dir: str | os.PathLike, use_wandb: bool | None = None):
+        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        logger_cfg = cfg.get("logger") or {}
+        self.use_wandb = bool(logger_cfg.get("use_wandb", False)) if use_wandb is None else use_wandb
+        self._wandb_run = None
+        self._summary: dict[str, Any] = {}
+        self.files: list[Path] = []
+
+    # ----------------------------------------------------------------- lazy inputs
+    @cached_property
+    def encoder(self):
+        """The frozen encoder of ``cfg.encoder`` (built on first access)."""
+        from hydra.utils import instantiate
+
+        enc = instantiate(self.cfg.encoder)
+        log.info("encoder %s: %d layers x %d heads", enc.name, enc.num_layers, enc.num_heads)
+        return enc
+
+    @cached_property
+    def treebank(self):
+        """The treebank of ``cfg.data.treebank``."""
+        from hydra.utils import instantiate
+
+        return instantiate(self.cfg.data.treebank)
+
+    def sentences(self, split: str, max_sentences: int | None = None):
+        """The first ``max_sentences`` sentences of ``split`` (file order); all when None."""
+        return self.treebank.read(split)[:max_sentences]
+
+    def cache(self, split: str, max_sentences: int | None = None):
+        """``(AttentionCache, sentences)`` of the word-level maps of ``split``, extracted if missing."""
+        from probes.extract.run import ensure_cache
+
+        return ensure_cache(self.encoder, self.treebank, split, self.cfg.extract, self.cfg.paths.cache_dir,
+                            max_sentences)
+
+    @property
+    def device(self) -> str:
+        import torch
+
+        want = (self.cfg.get("analysis_device") or "auto")
+        if want == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return want
+
+    # ----------------------------------------------------------------- wandb
+    @property
+    def wandb_run(self):
+        """The wandb run (started on first use; None when wandb is switched off)."""
+        if not self.use_wandb:
+            return None
+        if self._wandb_run is None:
+            import wandb
+
+            lc = self.cfg.logger
+            self._wandb_run = wandb.init(
+                project=lc.get("project", "probes"), name=lc.get("name"), mode=lc.get("mode", "offline"),
+                tags=list(lc.get("tags") or []), dir=str(self.output_dir), config=_to_plain(self.cfg),
+                job_type="analysis", reinit="finish_previous")
+        return self._wandb_run
+
+    def finish(self) -> None:
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    # ----------------------------------------------------------------- outputs
+    def save_table(self, df, name: str) -> Path:
+        """Write ``df`` to ``<output_dir>/<name>.csv`` (atomic) and log it as a wandb Table."""
+        path = self.output_dir / f"{name}.csv"
+        _atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
+        self.files.append(path)
+        log.info("wrote %s (%d rows)", path, len(df))
+        run = self.wandb_run
+        if run is not None and len(df) <= WANDB_TABLE_MAX_ROWS:
+            import wandb
+
+            run.log({f"{name}": wandb.Table(dataframe=df.reset_index(drop=True))})
+        return path
+
+    def save_figure(self, fig, name: str, dpi: int = 120) -> Path:
+        """Write ``fig`` to ``<output_dir>/<name>.png`` (atomic), log it as a wandb Image, close it."""
+        import matplotlib.pyplot as plt
+
+        path = self.output_dir / f"{name}.png"
+        _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
+        self.files.append(path)
+        run = self.wandb_run
+        if run is not None:
+            import wandb
+
+            run.log({f"fig/{name}": wandb.Image(str(path))})
+        plt.close(fig)
+        log.info("wrote %s", path)
+        return path
+
+    def log_summary(self, values: dict[str, Any]) -> Path:
+        """Merge ``values`` into ``<output_dir>/summary.json`` (atomic) and the wandb run summary."""
+        values = {k: _jsonable(v) for k, v in values.items()}
+        self._summary.update(values)
+        path = self.output_dir / "summary.json"
+        text = json.dumps(self._summary, indent=1, sort_keys=True)
+        _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+        if path not in self.files:
+            self.files.append(path)
+        run = self.wandb_run
+        if run is not None:
+            run.summary.update(values)
+        return path
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike) -> Any:
+    """Instantiate ``cfg.analysis`` (a partial function) and call it with a fresh context."""
+    from hydra.utils import instantiate
+
+    seed_everything(int(cfg.get("seed", 0)))
+    ctx = AnalysisContext(cfg, output_dir)
+    fn = instantiate(cfg.analysis)
+    try:
+        return fn(ctx)
+    finally:
+        ctx.finish()

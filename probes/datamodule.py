@@ -1,0 +1,199 @@
+"""Dependency-probe data: cached word-level attention + gold heads + GloVe vectors, batched by length."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from probes.data.conllu import Sentence
+from probes.extract.cache import AttentionCache
+from probes.extract.run import ensure_cache
+
+log = logging.getLogger(__name__)
+
+PUNCT_UPOS = "PUNCT"
+
+
+@dataclass
+class SplitData:
+    sentences: list[Sentence]
+    cache: AttentionCache
+    glove_ids: list[np.ndarray]  # per sentence (n,) row in the vector table, 0 = no vector
+    indices: list[int]  # sentences present in the cache (too-long ones are skipped)
+
+
+class DependencySplit(Dataset):
+    def __init__(self, split: SplitData):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split.indices)
+
+    def __getitem__(self, k: int) -> dict:
+        i = self.split.indices[k]
+        s = self.split.sentences[i]
+        maps = self.split.cache[i]  # (L, H, W, W) float16 memmap view, W = n + 2
+        return dict(index=i, maps=torch.from_numpy(np.array(maps, dtype=np.float32)),
+                    heads=torch.tensor(s.heads), punct=torch.tensor([u == PUNCT_UPOS for u in s.upos]),
+                    glove=torch.from_numpy(self.split.glove_ids[i]))
+
+    def length(self, k: int) -> int:
+        return self.split.sentences[self.split.indices[k]].n
+
+
+def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+    """Pad to the longest sentence N; maps split into word-word, [CLS] and [SEP] parts."""
+    B, N = len(items), max(len(it["heads"]) for it in items)
+    L, H = items[0]["maps"].shape[:2]
+    K = L * H
+    attn = torch.zeros(B, K, N, N)  # (B, K, N, N) attention from word j (row) to word i (column)
+    to_cls = torch.zeros(B, K, N)  # (B, K, N) word -> [CLS]
+    to_sep = torch.zeros(B, K, N)  # (B, K, N) word -> [SEP]
+    from_cls = torch.zeros(B, K, N)  # (B, K, N) [CLS] -> word
+    from_sep = torch.zeros(B, K, N)  # (B, K, N) [SEP] -> word
+    heads = torch.full((B, N), -100, dtype=torch.long)  # (B, N) gold head, 0 = ROOT, -100 = padding
+    punct = torch.zeros(B, N, dtype=torch.bool)  # (B, N)
+    glove = torch.zeros(B, N, dtype=torch.long)  # (B, N)
+    lengths = torch.zeros(B, dtype=torch.long)  # (B,)
+    for b, it in enumerate(items):
+        n = len(it["heads"])
+        m = it["maps"].reshape(K, n + 2, n + 2)
+        attn[b, :, :n, :n] = m[:, 1:-1, 1:-1]
+        to_cls[b, :, :n], to_sep[b, :, :n] = m[:, 1:-1, 0], m[:, 1:-1, -1]
+        from_cls[b, :, :n], from_sep[b, :, :n] = m[:, 0, 1:-1], m[:, -1, 1:-1]
+        heads[b, :n], punct[b, :n], glove[b, :n], lengths[b] = it["heads"], it["punct"], it["glove"], n
+    return dict(index=torch.tensor([it["index"] for it in items]), attn=attn, to_cls=to_cls, to_sep=to_sep,
+                from_cls=from_cls, from_sep=from_sep, heads=heads, punct=punct, glove=glove, lengths=lengths)
+
+
+class LengthBatchSampler(Sampler[list[int]]):
+    """Batches of similar length under a (batch_size, pairs) budget; shuffled per epoch when training."""
+
+    def __init__(self, lengths: list[int], batch_size: int, max_pairs: int, shuffle: bool, seed: int = 0):
+        self.lengths, self.batch_size, self.max_pairs, self.shuffle, self.seed = lengths, batch_size, max_pairs, shuffle, seed
+        self.epoch = 0
+
+    def _batches(self) -> list[list[int]]:
+        rng = random.Random(self.seed + self.epoch)
+        order = sorted(range(len(self.lengths)), key=lambda k: (self.lengths[k], rng.random() if self.shuffle else k))
+        batches, cur = [], []
+        for k in order:
+            n = self.lengths[k]
+            if cur and (len(cur) >= self.batch_size or (len(cur) + 1) * n * (n + 1) > self.max_pairs):
+                batches.append(cur)
+                cur = []
+            cur.append(k)
+        batches += [cur] if cur else []
+        if self.shuffle:
+            rng.shuffle(batches)
+            self.epoch += 1
+        return batches
+
+    def __iter__(self):
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+class DependencyDataModule(pl.LightningDataModule):
+    """Builds (or reuses) the attention caches in `prepare_data`, then serves them lazily."""
+
+    def __init__(self, name: str, treebank: DictConfig, encoder: DictConfig, glove: DictConfig | None,
+                 extract: DictConfig, cache_dir: str, splits: DictConfig, max_sentences: DictConfig,
+                 batch_size: int = 32, max_pairs: int = 40000, num_workers: int = 0, seed: int = 0):
+        super().__init__()
+        self.name, self.cache_dir = name, cache_dir
+        self.treebank = instantiate(treebank)
+        self.encoder_cfg, self.glove_cfg, self.extract_cfg = encoder, glove, extract
+        self.splits = dict(splits)  # stage name (train/val/test) -> treebank split (train/dev/test)
+        self.max_sentences = dict(max_sentences or {})
+        self.batch_size, self.max_pairs, self.num_workers, self.seed = batch_size, max_pairs, num_workers, seed
+        self.data: dict[str, SplitData] = {}
+        self.vectors: torch.Tensor | None = None  # (V + 1, d) row 0 = zero vector for words without one
+        self.num_layers = self.num_heads = None
+
+    def prepare_data(self) -> None:
+        """Stage 1: extract whatever split is not cached yet (a no-op when all are)."""
+        self._load_caches()
+
+    def _load_caches(self) -> dict:
+        if self.data:
+            return self.data
+        encoder = instantiate(self.encoder_cfg)
+        loaded = {}
+        for stage, split in self.splits.items():
+            cache, sentences = ensure_cache(encoder, self.treebank, split, self.extract_cfg, self.cache_dir,
+                                            self.max_sentences.get(split))
+            indices = [i for i in range(len(sentences)) if i in cache]
+            if len(indices) < len(sentences):
+                log.warning("%s/%s: %d sentences longer than the encoder's maximum are not scored",
+                            self.name, split, len(sentences) - len(indices))
+            loaded[stage] = SplitData(sentences, cache, [], indices)
+        self.num_layers, self.num_heads = encoder.num_layers, encoder.num_heads
+        self._attach_vectors(loaded)
+        self.data = loaded
+        return loaded
+
+    def _attach_vectors(self, loaded: dict[str, SplitData]) -> None:
+        """Compact table of the GloVe rows these splits use; missing words map to row 0 (zeros)."""
+        if self.glove_cfg is None:
+            for d in loaded.values():
+                d.glove_ids = [np.zeros(s.n, dtype=np.int64) for s in d.sentences]
+            self.vectors = torch.zeros(1, 1)
+            return
+        wv = instantiate(self.glove_cfg)
+        rows: dict[int, int] = {}
+        for stage, d in loaded.items():
+            missing = total = 0
+            for s in d.sentences:
+                ids = wv.lookup(s.words)
+                total += len(ids)
+                missing += int((ids < 0).sum())
+                d.glove_ids.append(np.array([0 if r < 0 else rows.setdefault(int(r), len(rows) + 1) for r in ids],
+                                            dtype=np.int64))
+            log.info("%s/%s: %d of %d words (%.1f%%) have no GloVe vector and get the zero vector",
+                     self.name, stage, missing, total, 100 * missing / max(total, 1))
+        table = np.zeros((len(rows) + 1, wv.dim), dtype=np.float32)
+        for r, k in rows.items():
+            table[k] = wv.vectors[r]
+        self.vectors = torch.from_numpy(table)
+
+    @property
+    def num_maps(self) -> int:
+        """Attention maps per sentence: layers x heads of the encoder (from its config)."""
+        return self.num_layers * self.num_heads
+
+    @property
+    def word_dim(self) -> int:
+        return self.vectors.shape[1]
+
+    def setup(self, stage: str | None = None) -> None:
+        self._load_caches()
+
+    def _loader(self, stage: str, shuffle: bool) -> DataLoader:
+        ds = DependencySplit(self.data[stage])
+        sampler = LengthBatchSampler([ds.length(k) for k in range(len(ds))], self.batch_size, self.max_pairs,
+                                     shuffle, self.seed)
+        return DataLoader(ds, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+    def sentences(self, stage: str) -> list[Sentence]:
+        return self.data[stage].sentences

@@ -1,0 +1,20 @@
+"""`python -m probes.extract [overrides]`: build the attention caches that `train.py` reads."""
+
+import os
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[2]))
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    from probes.extract.run import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

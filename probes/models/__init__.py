@@ -1,0 +1,1 @@
+"""Probe architectures (components/) and the LightningModule that trains them."""
