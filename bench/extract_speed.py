@@ -80,6 +80,12 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 # ----------------------------------------------------------------------------- the two sides
@@ -211,7 +217,8 @@ def check(args: dict, precisions: list[str], n: int = 50) -> dict:
             L, H, T, _ = a.shape
             fm = pooling_matrix(e.word_of_piece, e.n_words, "mean")[None]
             tm = pooling_matrix(e.word_of_piece, e.n_words, "sum")[None]
-            words = pool_attention(torch.from_numpy(a).reshape(1, L * H, T, T), fm, tm).reshape(L, H, *fm.shape[-2:])
+            W = e.n_words + 2
+            words = pool_attention(torch.from_numpy(a).reshape(1, L * H, T, T), fm, tm).reshape(L, H, W, W)
             diff = max(diff, float(np.abs(caches["32-true"][i].astype(np.float32) - words.numpy()).max()))
         out["fp32_cache_vs_plain_max_abs"] = diff
         out["fp32_ok"] = diff <= 2e-3
@@ -240,7 +247,7 @@ def machine() -> dict:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
-                gpu=gpu, python=platform.python_version())
+                gpu=gpu, python=platform.python_version(), loadavg_1min_at_start=os.getloadavg()[0])
 
 
 def table(rows: list[dict]) -> str:
@@ -281,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 data_dir=a.data_dir)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores (torch threads {info['torch_threads']}), "
-          f"torch {info['torch']}, GPU: {info['gpu'] or 'none'}")
+          f"torch {info['torch']}, GPU: {info['gpu'] or 'none'}; load average {info['loadavg_1min_at_start']:.2f}")
     print(f"encoder: {a.encoder}; data: UD EWT {a.split}"
           + (f", first {a.max_sentences} sentences" if a.max_sentences else "")
           + f"; extractor precisions: {', '.join(precisions)}"
@@ -298,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio_tokens_per_s_vs_plain"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     print()
     print(table(rows))
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1) + 1:
+        print(f"note: 1-min load average {load:.2f} at the end; other processes may have slowed these timings")
     print(f"({rows[0]['sentences']} sentences, {rows[0]['tokens']} wordpieces incl. [CLS]/[SEP]; "
           f"the plain loop made {rows[0]['map_bytes'] / 2**20:.1f} MiB of wordpiece-level fp16 maps, not written)")
     result = dict(machine=info, encoder=a.encoder, split=a.split, max_sentences=a.max_sentences, rows=rows)

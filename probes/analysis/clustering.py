@@ -1,0 +1,142 @@
+"""``analysis=clustering``: distances between heads and their 2-D embedding (Clark et al. §5, Fig 6).
+
+Wordpiece level (as Clark, who used wordpiece maps of unlabeled text), live encoder, each sentence
+alone as ``[CLS] s [SEP]``. The distance between heads a and b is the Jensen-Shannon divergence
+(nats) of their attention distributions summed over every attending token of every sentence
+(``js`` column; ``js_per_token`` divides by the number of tokens). The symmetric matrix is
+embedded in 2-D by metric multidimensional scaling (scikit-learn ``MDS`` on the precomputed
+dissimilarities, seeded).
+
+Behaviour of a head (colours of the second plot), from the same pass's head_stats-style statistics:
+the largest of the mean attention to the previous token, next token, [CLS], [SEP] and punctuation
+names the head (``prev``/``next``/``cls``/``sep``/``punct``) when it is at least
+``behaviour_threshold`` (default 0.5); otherwise the head is ``broad`` when its mean entropy is at
+least ``broad_fraction`` (default 0.75) of the uniform-attention entropy (mean log T); else ``other``.
+
+Files use 0-based layer/head; figures label heads with the paper's 1-based ``layer-head`` names.
+Outputs: ``js_distances.csv`` (layer_a, head_a, layer_b, head_b, js, js_per_token; all ordered
+pairs incl. a == b), ``head_embedding.csv`` (layer, head, name, x, y, behaviour, and the statistics),
+``head_embedding_layers.png``, ``head_embedding_behaviour.png``, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probes.analysis.live import iter_wordpiece_attention
+from probes.analysis.metrics import HeadStatsAccumulator, is_punct_piece, js_divergence_matrix
+from probes.analysis.naming import head_name
+
+log = logging.getLogger(__name__)
+
+BEHAVIOURS = ("prev", "next", "cls", "sep", "punct")
+
+
+def classify_heads(stats: dict[str, np.ndarray], uniform_entropy: float, behaviour_threshold: float = 0.5,
+                   broad_fraction: float = 0.75) -> np.ndarray:
+    """(L, H) array of behaviour labels (see the module docstring for the rule)."""
+    vals = np.stack([stats[b] for b in BEHAVIOURS])  # (5, L, H)
+    best = vals.argmax(0)
+    labels = np.where(vals.max(0) >= behaviour_threshold, np.asarray(BEHAVIOURS, dtype=object)[best], "other")
+    broad = (labels == "other") & (stats["entropy"] >= broad_fraction * uniform_entropy)
+    labels[broad] = "broad"
+    return labels.astype(object)
+
+
+def mds_embedding(dist: np.ndarray, seed: int = 0, n_init: int = 4, max_iter: int = 300) -> tuple[np.ndarray, float]:
+    """2-D metric MDS of a precomputed dissimilarity matrix; returns (coords (K, 2), stress)."""
+    from sklearn.manifold import MDS
+
+    params = inspect.signature(MDS).parameters
+    kw = dict(n_components=2, n_init=n_init, max_iter=max_iter, random_state=seed)
+    if "metric_mds" in params:  # scikit-learn >= 1.8: `dissimilarity` renamed `metric`
+        kw.update(metric="precomputed", metric_mds=True)
+    else:
+        kw.update(dissimilarity="precomputed")
+    if "init" in params:
+        kw.update(init="random")
+    mds = MDS(**kw)
+    coords = mds.fit_transform(dist)
+    return coords, float(mds.stress_)
+
+
+def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
+    import matplotlib.pyplot as plt
+
+    from probes.analysis import plots  # noqa: F401  (Agg backend)
+
+    fig, ax = plt.subplots(figsize=(7, 6))
+    if colour_by == "layer":
+        sc = ax.scatter(emb.x, emb.y, c=emb.layer + 1, cmap="viridis", s=30)
+        fig.colorbar(sc, ax=ax, label="layer")
+    else:
+        for b, g in emb.groupby(colour_by, sort=True):
+            ax.scatter(g.x, g.y, s=30, label=f"{b} ({len(g)})")
+        ax.legend(fontsize=8, title="behaviour")
+    for _, r in emb.iterrows():
+        ax.annotate(r["name"], (r.x, r.y), fontsize=5, alpha=0.7, xytext=(2, 2), textcoords="offset points")
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.tight_layout()
+    return fig
+
+
+def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max_tokens: int = 4096,
+               max_batch_size: int = 64, behaviour_threshold: float = 0.5, broad_fraction: float = 0.75,
+               mds_n_init: int = 4, mds_max_iter: int = 300) -> pd.DataFrame:
+    """Compute JS distances between all heads, embed them, save tables and plots; returns the embedding."""
+    t0 = time.time()
+    enc = ctx.encoder
+    L, H = enc.num_layers, enc.num_heads
+    K = L * H
+    sentences = ctx.sentences(split, max_sentences)
+    total = torch.zeros(K, K, dtype=torch.float64)
+    stats_acc = HeadStatsAccumulator()
+    n_tokens = 0
+    for item in iter_wordpiece_attention(enc, [s.words for s in sentences], device=ctx.device,
+                                         max_tokens=max_tokens, max_batch_size=max_batch_size, desc="clustering"):
+        T = item.attn.shape[-1]
+        total += js_divergence_matrix(item.attn.reshape(K, T, T)).cpu()
+        stats_acc.add(item.attn, [is_punct_piece(t) for t in item.tokens])
+        n_tokens += T
+    dist = total.numpy()
+    la, ha = np.divmod(np.arange(K), H)
+    js = pd.DataFrame(dict(layer_a=np.repeat(la, K), head_a=np.repeat(ha, K), layer_b=np.tile(la, K),
+                           head_b=np.tile(ha, K), js=dist.reshape(-1), js_per_token=dist.reshape(-1) / max(n_tokens, 1)))
+    ctx.save_table(js, "js_distances")
+
+    coords, stress = mds_embedding(dist, seed=int(ctx.cfg.get("seed", 0)), n_init=mds_n_init, max_iter=mds_max_iter)
+    stats = stats_acc.result()
+    labels = classify_heads(stats, stats_acc.uniform_entropy, behaviour_threshold, broad_fraction)
+    emb = pd.DataFrame(dict(layer=la, head=ha, name=[head_name(l, h) for l, h in zip(la, ha)],
+                            x=coords[:, 0], y=coords[:, 1], behaviour=labels.reshape(-1)))
+    for k in ("prev", "next", "self", "cls", "sep", "punct", "entropy"):
+        emb[k] = stats[k].reshape(-1)
+    ctx.save_table(emb, "head_embedding")
+    ctx.save_figure(_scatter(emb, "layer", f"{enc.name}: MDS of JS distances, coloured by layer"),
+                    "head_embedding_layers")
+    ctx.save_figure(_scatter(emb, "behaviour", f"{enc.name}: MDS of JS distances, coloured by behaviour"),
+                    "head_embedding_behaviour")
+
+    # How layered is the space: mean distance within vs between layers, nearest neighbour's layer.
+    same = la[:, None] == la[None, :]
+    off_diag = ~np.eye(K, dtype=bool)
+    nn = np.where(off_diag, dist, np.inf).argmin(1)
+    ctx.log_summary(dict(
+        analysis="clustering", split=split, encoder=enc.name, level="wordpiece",
+        n_sentences=stats_acc.n, n_tokens=n_tokens, mds_stress=stress,
+        mean_js_per_token_same_layer=float(dist[same & off_diag].mean() / max(n_tokens, 1)) if L * H > L else None,
+        mean_js_per_token_other_layer=float(dist[~same].mean() / max(n_tokens, 1)) if L > 1 else None,
+        nearest_neighbour_same_layer=float((la[nn] == la).mean()),
+        behaviour_counts={str(k): int(v) for k, v in emb.behaviour.value_counts().items()},
+        behaviour_threshold=behaviour_threshold, broad_fraction=broad_fraction,
+        uniform_entropy=stats_acc.uniform_entropy, seconds=round(time.time() - t0, 1)))
+    log.info("clustering: %d sentences, %d heads in %.1fs", stats_acc.n, K, time.time() - t0)
+    return emb

@@ -1,0 +1,174 @@
+"""``analysis=dep_heads``: which heads find syntactic heads (Clark et al. §4.1, Table 1).
+
+Word level, from the attention cache (attention TO a split word summed over its pieces, FROM it
+averaged). A head "predicts" for every word the most-attended other word, ignoring attention to
+the word itself and to [CLS]/[SEP] (Clark's ``attn_head_predictor``), in two directions:
+
+* ``dep2head``: the dependent's row (the word the dependent attends to most);
+* ``head2dep``: the transposed map (the word that attends most to the dependent).
+
+A prediction is correct when it is the gold head. Per relation the best (layer, head, direction)
+is reported, like the paper's Table 1, against fixed-offset baselines (word j predicts word
+j + offset clipped into the sentence, offsets -3..+2 as in Clark's code; offset 0 predicts the word
+itself and is never right). Words attached to the root and relations in ``exclude`` (``root``,
+``punct``, like the paper's table) are left out of every row including ``all``; Clark's code kept
+them in ``all``. Possessives: as in Clark's code, a ``nmod:poss`` dependent followed by ``'s``/``'``
+is scored by the clitic's prediction (``poss_relations``).
+
+UD v2 vs the paper's Stanford Dependencies (the paper used the PTB WSJ converted to SD):
+
+* ``obj`` ~ SD ``dobj``; ``iobj`` = ``iobj``; ``nsubj``/``nsubj:pass`` ~ ``nsubj``/``nsubjpass``;
+* ``case`` has no SD counterpart: SD attaches a preposition as ``prep`` to the word the phrase
+  modifies and its object as ``pobj`` to the preposition; UD attaches the noun (``obl``/``nmod``)
+  to that word and the preposition to the noun as ``case``. So UD ``case`` (dependent = preposition,
+  head = its noun) is the reverse of SD ``pobj`` (dependent = noun, head = preposition), and UD
+  ``obl``/``nmod`` mixes SD ``prep`` arcs; the possessive ``'s`` (SD ``possessive``) is also ``case``;
+* ``compound`` ~ SD ``nn`` (noun compound modifier; UD ``compound`` also covers ``prt`` for
+  phrasal verbs as ``compound:prt``); ``nmod:poss`` ~ ``poss``;
+* ``aux`` ~ ``aux`` (UD ``aux:pass`` ~ ``auxpass``); ``det``, ``amod``, ``advmod``, ``mark``, ``cc``,
+  ``conj``, ``nummod`` (~ ``num``) keep their names; ``cop`` exists in both, but in both schemes the
+  copula's head is the predicate; ``xcomp``/``ccomp``/``advcl``/``acl`` (~ ``partmod``/``infmod``/
+  ``rcmod`` for ``acl:relcl``) correspond roughly.
+* UD makes content words heads (e.g. the predicate of a copular clause, the noun of a PP), SD
+  mostly did the same for copulas but not for prepositions, so prepositional rows are not
+  comparable one to one.
+
+The same mapping is written to ``relation_map.csv``.
+
+Outputs: ``dep_heads.csv`` (relation, layer, head, direction, accuracy, count; 0-based),
+``dep_offsets.csv`` (relation, offset, accuracy, count), ``dep_table.csv`` (per relation: count,
+best head as layer/head + 1-based name, direction, accuracy, best offset, its accuracy, difference),
+``relation_map.csv``, ``dep_table.png``, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from probes.analysis.metrics import DIRECTIONS, DepAccumulator
+from probes.analysis.naming import head_name
+
+log = logging.getLogger(__name__)
+
+RELATION_MAP = [
+    # UD v2 relation, paper (Stanford Dependencies) relation, note
+    ("det", "det", "same"),
+    ("obj", "dobj", "renamed"),
+    ("iobj", "iobj", "same"),
+    ("nsubj", "nsubj", "same"),
+    ("nsubj:pass", "nsubjpass", "renamed"),
+    ("case", "prep / pobj / possessive", "UD: preposition -> its noun; SD: noun -(pobj)-> preposition -(prep)-> modified word"),
+    ("obl", "prep (+pobj)", "UD attaches the PP's noun to the verb; SD attached the preposition"),
+    ("nmod", "prep (+pobj)", "as obl, for nominal heads"),
+    ("nmod:poss", "poss", "renamed; Clark scored it through the following 's"),
+    ("compound", "nn", "noun compounds"),
+    ("compound:prt", "prt", "phrasal-verb particle"),
+    ("aux", "aux", "same"),
+    ("aux:pass", "auxpass", "renamed"),
+    ("amod", "amod", "same"),
+    ("advmod", "advmod", "same"),
+    ("mark", "mark", "same"),
+    ("cop", "cop", "same"),
+    ("conj", "conj", "same"),
+    ("cc", "cc", "same"),
+    ("nummod", "num", "renamed"),
+    ("acl:relcl", "rcmod", "renamed"),
+    ("acl", "partmod / infmod", "merged"),
+    ("xcomp", "xcomp", "same"),
+    ("ccomp", "ccomp", "same"),
+    ("advcl", "advcl", "same"),
+    ("root", "root", "excluded from the table"),
+    ("punct", "punct", "excluded from the table"),
+]
+
+
+def relation_map() -> pd.DataFrame:
+    return pd.DataFrame(RELATION_MAP, columns=["ud_relation", "paper_relation", "note"])
+
+
+def evaluate(cache, sentences, num_layers: int, num_heads: int, offsets=(-3, -2, -1, 0, 1, 2),
+             exclude=("root", "punct"), poss_relations=("nmod:poss",), strip_subtypes: bool = False,
+             progress: bool = True) -> DepAccumulator:
+    """Run :class:`DepAccumulator` over the cached sentences (skipped ones are left out)."""
+    acc = DepAccumulator(num_layers, num_heads, offsets, exclude, poss_relations, strip_subtypes)
+    for i, s in enumerate(tqdm(sentences, desc="dep_heads", unit="sent", disable=None if progress else True)):
+        if i not in cache:
+            continue
+        acc.add(np.asarray(cache[i], dtype=np.float32), s.words, s.heads, s.deprels)
+    return acc
+
+
+def tables(acc: DepAccumulator, min_count: int = 100) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(dep_heads, dep_offsets, dep_table) data frames; relations with >= min_count examples + all."""
+    rels = ["all"] + sorted(r for r, c in acc.count.items() if r != "all" and c >= min_count)
+    rows, orows, trows = [], [], []
+    for r in rels:
+        acc_h = acc.head_accuracy(r)  # (2, L, H)
+        c = acc.count[r]
+        for d, direction in enumerate(DIRECTIONS):
+            for l in range(acc.L):
+                for h in range(acc.H):
+                    rows.append((r, l, h, direction, float(acc_h[d, l, h]), c))
+        acc_o = acc.offset_accuracy(r)
+        for o, a in zip(acc.offsets, acc_o):
+            orows.append((r, o, float(a), c))
+        d, l, h = np.unravel_index(int(np.argmax(acc_h)), acc_h.shape)
+        bo = int(np.argmax(acc_o))
+        trows.append(dict(relation=r, count=c, layer=int(l), head=int(h), name=head_name(l, h),
+                          direction=DIRECTIONS[d], accuracy=float(acc_h[d, l, h]),
+                          best_offset=int(acc.offsets[bo]), offset_accuracy=float(acc_o[bo]),
+                          difference=float(acc_h[d, l, h] - acc_o[bo])))
+    dep = pd.DataFrame(rows, columns=["relation", "layer", "head", "direction", "accuracy", "count"])
+    off = pd.DataFrame(orows, columns=["relation", "offset", "accuracy", "count"])
+    return dep, off, pd.DataFrame(trows)
+
+
+def bar_figure(table: pd.DataFrame):
+    import matplotlib.pyplot as plt  # noqa: F401  (Agg set by plots)
+    from probes.analysis import plots  # noqa: F401
+
+    t = table.reset_index(drop=True)
+    x = np.arange(len(t))
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(t)), 4))
+    ax.bar(x - 0.2, 100 * t.accuracy, 0.4, label="best attention head")
+    ax.bar(x + 0.2, 100 * t.offset_accuracy, 0.4, label="best fixed offset")
+    for i, r in t.iterrows():
+        ax.text(i - 0.2, 100 * r.accuracy + 1, r["name"], ha="center", fontsize=6, rotation=90)
+        ax.text(i + 0.2, 100 * r.offset_accuracy + 1, f"{r.best_offset:+d}", ha="center", fontsize=6, rotation=90)
+    ax.set_xticks(x, [f"{r} ({c})" for r, c in zip(t.relation, t["count"])], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 110)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_count: int = 100,
+              offsets=(-3, -2, -1, 0, 1, 2), exclude=("root", "punct"), poss_relations=("nmod:poss",),
+              strip_subtypes: bool = False, report_relations=()) -> pd.DataFrame:
+    """Evaluate every head on every relation; save the tables and the figure; return dep_table."""
+    t0 = time.time()
+    cache, sentences = ctx.cache(split, max_sentences)
+    acc = evaluate(cache, sentences, cache.num_layers, cache.num_heads, list(offsets), list(exclude),
+                   list(poss_relations), strip_subtypes)
+    dep, off, table = tables(acc, min_count)
+    ctx.save_table(dep, "dep_heads")
+    ctx.save_table(off, "dep_offsets")
+    ctx.save_table(table, "dep_table")
+    ctx.save_table(relation_map(), "relation_map")
+    ctx.save_figure(bar_figure(table), "dep_table")
+    report = table[table.relation.isin(["all", *report_relations])] if report_relations else table
+    ctx.log_summary(dict(
+        analysis="dep_heads", split=split, encoder=ctx.encoder.name, n_sentences=acc.n_sentences,
+        n_skipped=len(sentences) - acc.n_sentences, cache=str(cache.path), seconds=round(time.time() - t0, 1),
+        table={r.relation: dict(count=int(r["count"]), name=r["name"], direction=r.direction,
+                                accuracy=round(r.accuracy, 4), best_offset=int(r.best_offset),
+                                offset_accuracy=round(r.offset_accuracy, 4))
+               for _, r in report.iterrows()}))
+    log.info("dep_heads: %d sentences, %d relations in %.1fs", acc.n_sentences, len(table), time.time() - t0)
+    return table

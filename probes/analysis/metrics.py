@@ -1,0 +1,224 @@
+"""Pure computations on attention maps (no model, no files): what the analyses and tests call.
+
+Shapes: ``attn`` is ``(L, H, T, T)`` (or ``(K, T, T)`` with K = L * H flattened heads); rows are the
+attending (from) position, columns the attended (to) position, each row a distribution.
+Wordpiece maps have [CLS] at position 0 and [SEP] at T - 1; word maps (the attention cache) have
+side W = n + 2 with [CLS] at 0, words 1..n, [SEP] at n + 1. Heads and predictions of words are
+1-based word indices (0 = root), as in CoNLL-U.
+"""
+
+from __future__ import annotations
+
+import string
+import unicodedata
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+HEAD_STATS = ("prev", "self", "next", "cls", "sep", "punct", "entropy", "cls_entropy")
+DIRECTIONS = ("dep2head", "head2dep")  # row of the dependent / column of the dependent (transposed map)
+
+
+# ------------------------------------------------------------------------------------------ §3
+def is_punct_piece(token: str) -> bool:
+    """A wordpiece made of punctuation characters only (``##`` continuation prefix ignored).
+
+    Punctuation = Unicode category P* or ASCII ``string.punctuation`` (which adds symbols such as
+    ``$ + < = > ^ ` | ~``); special tokens like ``[CLS]`` are not punctuation.
+    """
+    if token.startswith("##"):
+        token = token[2:]
+    return bool(token) and all(c in string.punctuation or unicodedata.category(c).startswith("P") for c in token)
+
+
+def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Shannon entropy (nats) along ``dim``; 0 log 0 = 0."""
+    return -torch.special.xlogy(p, p).sum(dim)
+
+
+def sentence_head_stats(attn: torch.Tensor, punct: torch.Tensor | Sequence[bool]) -> dict[str, torch.Tensor]:
+    """Per-head statistics of one sentence's wordpiece attention.
+
+    attn: (L, H, T, T), [CLS] at 0 and [SEP] at T - 1; punct: (T,) bool, punctuation pieces.
+    Returns stat -> (L, H), each the mean over the attending tokens of one sentence:
+      prev / next: attention to position i - 1 / i + 1 (mean over the T - 1 tokens that have one),
+      self: attention to itself, cls / sep / punct: total attention to [CLS] / [SEP] / punctuation,
+      entropy: entropy of the attention distribution, cls_entropy: entropy of [CLS]'s distribution.
+    """
+    attn = attn.float()
+    T = attn.shape[-1]
+    punct = torch.as_tensor(punct, dtype=torch.bool, device=attn.device)
+    diag = torch.diagonal(attn, dim1=-2, dim2=-1)  # (L, H, T)
+    ent = entropy(attn)  # (L, H, T)
+    nan = torch.full(attn.shape[:2], float("nan"), device=attn.device)
+    return dict(
+        prev=torch.diagonal(attn, offset=-1, dim1=-2, dim2=-1).mean(-1) if T > 1 else nan,
+        self=diag.mean(-1),
+        next=torch.diagonal(attn, offset=1, dim1=-2, dim2=-1).mean(-1) if T > 1 else nan,
+        cls=attn[..., 0].mean(-1),
+        sep=attn[..., T - 1].mean(-1),
+        punct=attn[..., punct].sum(-1).mean(-1),
+        entropy=ent.mean(-1),
+        cls_entropy=ent[..., 0],
+    )
+
+
+class HeadStatsAccumulator:
+    """Averages :func:`sentence_head_stats` over sentences (each sentence weighs 1, as Clark's code).
+
+    ``uniform_entropy`` is the reference of Clark's Fig 4: the mean over sentences of log T, the
+    entropy every row would have if it attended uniformly to all T tokens.
+    """
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.n = 0
+        self.log_t = 0.0
+
+    def add(self, attn: torch.Tensor, punct) -> None:
+        for k, v in sentence_head_stats(attn, punct).items():
+            v = v.detach().double().cpu()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+        self.n += 1
+        self.log_t += float(np.log(attn.shape[-1]))
+
+    def result(self) -> dict[str, np.ndarray]:
+        if self.n == 0:
+            raise ValueError("no sentences were added")
+        return {k: (v / self.n).numpy() for k, v in self.sums.items()}
+
+    @property
+    def uniform_entropy(self) -> float:
+        return self.log_t / max(self.n, 1)
+
+
+# ------------------------------------------------------------------------------------------ §4
+def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False) -> np.ndarray:
+    """Most-attended other word of every word, per head (Clark's ``attn_head_predictor``).
+
+    word_attn: (L, H, W, W) word-level maps, W = n + 2. ``transpose=False`` (dep2head): word j's
+    prediction is the word its row attends to most; ``transpose=True`` (head2dep): the word that
+    attends most to j. Attention to self and to [CLS]/[SEP] is ignored. Returns (L, H, n) int,
+    1-based word indices. A one-word sentence predicts the word itself (never a correct head).
+    """
+    a = torch.as_tensor(np.asarray(word_attn, dtype=np.float32))
+    if transpose:
+        a = a.transpose(-1, -2)
+    a = a[..., 1:-1, 1:-1].clone()  # (L, H, n, n) words only
+    n = a.shape[-1]
+    idx = torch.arange(n)
+    a[..., idx, idx] = float("-inf")
+    if n == 1:
+        return np.ones(a.shape[:-1], dtype=np.int64)
+    return a.argmax(-1).numpy() + 1
+
+
+def offset_predictions(n: int, offset: int) -> np.ndarray:
+    """Fixed-offset baseline: word j (1-based) predicts word j + offset, clipped into 1..n. (n,) int."""
+    return np.clip(np.arange(1, n + 1) + offset, 1, n)
+
+
+POSS_CLITICS = frozenset({"'s", "'", "’s", "’"})
+
+
+def evaluation_positions(words: Sequence[str], deprels: Sequence[str], poss_relations: Sequence[str] = ()) -> np.ndarray:
+    """0-based position whose prediction is scored for each word (usually the word itself).
+
+    Clark et al.'s special case for possessives: a dependent of a ``poss_relations`` relation that
+    is followed by a clitic ('s or ') is scored by the clitic's prediction (the paper's poss
+    heads attend from 's to the possessed noun, Section 4.2).
+    """
+    pos = np.arange(len(words))
+    poss = set(poss_relations)
+    for j, r in enumerate(deprels):
+        if r in poss and j + 1 < len(words) and words[j + 1] in POSS_CLITICS:
+            pos[j] = j + 1
+    return pos
+
+
+class DepAccumulator:
+    """Counts correct head predictions per relation, for every head/direction and every offset.
+
+    Relations in ``exclude`` (and words whose gold head is root) are left out, also of ``all``.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, offsets: Sequence[int] = (-3, -2, -1, 0, 1, 2),
+                 exclude: Sequence[str] = ("root", "punct"), poss_relations: Sequence[str] = (),
+                 strip_subtypes: bool = False):
+        self.L, self.H = num_layers, num_heads
+        self.offsets = list(offsets)
+        self.exclude = set(exclude)
+        self.poss_relations = list(poss_relations)
+        self.strip_subtypes = strip_subtypes
+        self.count: dict[str, int] = {}
+        self.head_correct: dict[str, np.ndarray] = {}  # rel -> (2, L, H)
+        self.offset_correct: dict[str, np.ndarray] = {}  # rel -> (n_offsets,)
+        self.n_sentences = 0
+
+    def _rel(self, r: str) -> str:
+        return r.split(":")[0] if self.strip_subtypes else r
+
+    def add(self, word_attn, words: Sequence[str], heads: Sequence[int], deprels: Sequence[str]) -> None:
+        """word_attn: (L, H, n + 2, n + 2); words, heads (0 = root, 1-based), deprels: (n,)."""
+        n = len(words)
+        assert np.shape(word_attn)[-1] == n + 2, (np.shape(word_attn), n)
+        rels = [self._rel(r) for r in deprels]
+        heads = np.asarray(heads)
+        keep = np.array([h != 0 and r not in self.exclude for h, r in zip(heads, rels)], dtype=bool)
+        self.n_sentences += 1
+        if not keep.any():
+            return
+        pos = evaluation_positions(words, rels, self.poss_relations)
+        pred = np.stack([predict_heads(word_attn, transpose=False),
+                         predict_heads(word_attn, transpose=True)])  # (2, L, H, n)
+        head_ok = pred[..., pos] == heads  # (2, L, H, n)
+        off_ok = np.stack([offset_predictions(n, o)[pos] == heads for o in self.offsets])  # (O, n)
+        rels_arr = np.asarray(rels, dtype=object)
+        for r in ["all", *sorted({r for r, k in zip(rels, keep) if k})]:
+            m = keep if r == "all" else keep & (rels_arr == r)
+            c = int(m.sum())
+            self.count[r] = self.count.get(r, 0) + c
+            hc = head_ok[..., m].sum(-1)
+            oc = off_ok[:, m].sum(-1)
+            if r in self.head_correct:
+                self.head_correct[r] += hc
+                self.offset_correct[r] += oc
+            else:
+                self.head_correct[r] = hc.astype(np.int64)
+                self.offset_correct[r] = oc.astype(np.int64)
+
+    def head_accuracy(self, rel: str) -> np.ndarray:
+        """(2, L, H) accuracy of every head in both directions (DIRECTIONS order)."""
+        return self.head_correct[rel] / max(self.count[rel], 1)
+
+    def offset_accuracy(self, rel: str) -> np.ndarray:
+        """(n_offsets,) accuracy of each offset baseline."""
+        return self.offset_correct[rel] / max(self.count[rel], 1)
+
+
+# ------------------------------------------------------------------------------------------ §5
+def js_divergence_matrix(attn: torch.Tensor, max_elements: int = 2 ** 24,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pairwise Jensen-Shannon divergence between heads, summed over the attending tokens.
+
+    attn: (K, T, T) rows are distributions. Returns (K, K) float64, symmetric, zero diagonal:
+    D[a, b] = sum_t JS(attn[a, t], attn[b, t]), JS(P, Q) = H((P + Q) / 2) - (H(P) + H(Q)) / 2 (nats).
+    Only pairs a <= b are computed (in ``dtype``), in chunks of heads so that at most
+    ``max_elements`` values are held at once; identical heads give exactly 0.
+    """
+    attn = attn.to(dtype)
+    K, T, _ = attn.shape
+    h_rows = entropy(attn).sum(-1)  # (K,) sum over tokens of row entropies
+    out = torch.zeros(K, K, dtype=torch.float64, device=attn.device)
+    chunk = max(1, max_elements // max(K * T * T, 1))
+    for s in range(0, K, chunk):
+        e = min(s + chunk, K)
+        p = attn[s:e, None]  # (c, 1, T, T)
+        m = (p + attn[None, s:]) / 2  # (c, K - s, T, T): pairs with b >= s
+        h_m = entropy(m).sum(-1)  # (c, K - s)
+        out[s:e, s:] = (h_m - (h_rows[s:e, None] + h_rows[None, s:]) / 2).double()
+    out = torch.triu(out).clamp_min(0)
+    out = out + out.T
+    out.fill_diagonal_(0)
+    return out

@@ -1,0 +1,62 @@
+"""Matplotlib figures (Agg backend); heads are labelled with the paper's 1-based names."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+STAT_TITLES = dict(prev="to previous token", self="to self", next="to next token", cls="to [CLS]",
+                   sep="to [SEP]", punct="to punctuation", entropy="entropy (nats)",
+                   cls_entropy="entropy from [CLS] (nats)")
+
+
+def heatmaps(stats: dict[str, np.ndarray], titles: dict[str, str] | None = None, ncols: int = 4):
+    """One layer x head heatmap per stat; axes labelled 1-based (layer 1 at the top)."""
+    titles = titles or STAT_TITLES
+    keys = list(stats)
+    nrows = int(np.ceil(len(keys) / ncols))
+    L, H = next(iter(stats.values())).shape
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 0.35 * L * nrows + 1.6 * nrows), squeeze=False)
+    for ax, k in zip(axes.flat, keys):
+        v = stats[k]
+        entropy_like = "entropy" in k
+        im = ax.imshow(v, aspect="auto", cmap="viridis", vmin=None if entropy_like else 0,
+                       vmax=None if entropy_like else max(1e-6, float(np.nanmax(v))))
+        ax.set_title(titles.get(k, k), fontsize=9)
+        ax.set_xticks(range(H), [str(h + 1) for h in range(H)], fontsize=6)
+        ax.set_yticks(range(L), [str(l + 1) for l in range(L)], fontsize=6)
+        ax.set_xlabel("head", fontsize=8)
+        ax.set_ylabel("layer", fontsize=8)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def layer_curves(stats: dict[str, np.ndarray], groups: list[list[str]], ylabels: list[str],
+                 hlines: list[dict[str, float] | None] | None = None, titles: dict[str, str] | None = None):
+    """Per-layer mean over heads (line) with every head (dots); one panel per group of stats."""
+    titles = titles or STAT_TITLES
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
+    for g, (ax, keys) in enumerate(zip(axes[0], groups)):
+        for k in keys:
+            v = stats[k]
+            L, H = v.shape
+            layers = np.arange(1, L + 1)
+            line, = ax.plot(layers, v.mean(1), marker="o", label=titles.get(k, k))
+            ax.scatter(np.repeat(layers, H) + np.tile(np.linspace(-0.15, 0.15, H), L), v.reshape(-1),
+                       s=6, alpha=0.35, color=line.get_color())
+        for name, y in ((hlines or [None] * len(groups))[g] or {}).items():
+            ax.axhline(y, ls="--", color="gray", lw=1)
+            ax.text(1, y, name, fontsize=7, va="bottom", color="gray")
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabels[g])
+        ax.set_xticks(layers)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,69 @@
+"""Shared fixtures: real conf/ composition, a synthetic treebank, the shared data folder."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+WORDS = "the a cat dog saw liked house runs quickly big small red and of to in".split()
+
+
+def shared_data_dir() -> Path:
+    return Path(os.environ.get("PROBES_DATA_DIR") or ROOT.parent / "shared" / "data").resolve()
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    d = shared_data_dir()
+    if not (d / "ud_english_ewt").is_dir():
+        pytest.skip(f"shared data not found at {d}")
+    return d
+
+
+def write_chain_treebank(path: Path, n_sentences: int, seed: int = 0) -> None:
+    """Sentences whose gold head of word j (1-based) is word j - 1; word 1 is the root; '.' at the end."""
+    rng = random.Random(seed)
+    lines = []
+    for s in range(n_sentences):
+        n = rng.randint(3, 10)
+        words = [rng.choice(WORDS) for _ in range(n - 1)] + ["."]
+        lines.append(f"# sent_id = s{s}")
+        for j, w in enumerate(words, start=1):
+            upos = "PUNCT" if w == "." else "X"
+            lines.append(f"{j}\t{w}\t{w}\t{upos}\t_\t_\t{j - 1}\t{'root' if j == 1 else 'dep'}\t_\t_")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def chain_data(tmp_path) -> Path:
+    """A tiny treebank folder `chain/` with train/dev/test files."""
+    d = tmp_path / "data" / "chain"
+    d.mkdir(parents=True)
+    for split, n, seed in (("train", 120, 0), ("dev", 30, 1), ("test", 30, 2)):
+        write_chain_treebank(d / f"chain-{split}.conllu", n, seed)
+    return tmp_path / "data"
+
+
+def chain_overrides(data_dir: Path, tmp_path: Path) -> list[str]:
+    """Overrides that point `data=ewt` at the synthetic chain treebank and keep everything in tmp_path."""
+    return [
+        "encoder=tiny", "logger=none", f"paths.data_dir={data_dir}", f"paths.cache_dir={tmp_path / 'cache'}",
+        f"paths.output_dir={tmp_path / 'out'}", "data.name=chain", "data.treebank.name=chain",
+        "data.treebank.subdir=chain", "data.treebank.urls=null", "data.treebank.sha256=null",
+        "data.treebank.download=false",
+        "data.treebank.files={train: chain-train.conllu, dev: chain-dev.conllu, test: chain-test.conllu}",
+        "extract.precision=32-true", "extract.trainer.accelerator=cpu", "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+    ]
+
+
+def compose_train(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)

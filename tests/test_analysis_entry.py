@@ -1,0 +1,151 @@
+"""The analysis entry: Hydra composition, in-process runs on a tiny treebank, end-to-end CLI runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from probes.analysis.context import AnalysisContext
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+SHARED_DATA = Path(os.environ.get("PROBES_DATA_DIR", REPO.parent / "shared" / "data"))
+ANALYSES = ("head_stats", "dep_heads", "clustering")
+
+CONLLU = """\
+# sent_id = s1
+1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_
+2\tdog\tdog\tNOUN\t_\t_\t3\tnsubj\t_\t_
+3\tbarked\tbark\tVERB\t_\t_\t0\troot\t_\t_
+4\t.\t.\tPUNCT\t_\t_\t3\tpunct\t_\t_
+
+# sent_id = s2
+1\tJohn\tJohn\tPROPN\t_\t_\t3\tnmod:poss\t_\t_
+2\t's\t's\tPART\t_\t_\t1\tcase\t_\t_
+3\tcat\tcat\tNOUN\t_\t_\t4\tnsubj\t_\t_
+4\tsat\tsit\tVERB\t_\t_\t0\troot\t_\t_
+5\ton\ton\tADP\t_\t_\t7\tcase\t_\t_
+6\tthe\tthe\tDET\t_\t_\t7\tdet\t_\t_
+7\tunbelievably-comfortable\tmat\tNOUN\t_\t_\t4\tobl\t_\t_
+8\t!\t!\tPUNCT\t_\t_\t4\tpunct\t_\t_
+
+# sent_id = s3
+1\tHello\thello\tINTJ\t_\t_\t0\troot\t_\t_
+
+"""
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="analyze", overrides=overrides)
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """analyze config with the tiny encoder and a three-sentence 'EWT dev' in tmp_path."""
+    (tmp_path / "data" / "ud_english_ewt").mkdir(parents=True)
+    (tmp_path / "data" / "ud_english_ewt" / "en_ewt-ud-dev.conllu").write_text(CONLLU)
+
+    def make(analysis, *extra):
+        return _compose([f"analysis={analysis}", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}",
+                         f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false",
+                         "data.treebank.download=false", *extra])
+    return make
+
+
+def test_compose_defaults():
+    cfg = _compose([])
+    assert cfg.analysis._target_ == "probes.analysis.head_stats.head_stats"
+    assert cfg.encoder.name == "all-MiniLM-L6-v2" and cfg.data.name == "ud_english_ewt"
+    assert cfg.analysis.split == "dev" and cfg.analysis.max_sentences is None
+    assert cfg.logger.use_wandb is True
+    for name in ANALYSES:
+        a = _compose([f"analysis={name}"]).analysis
+        assert a._partial_ is True and a._target_ == f"probes.analysis.{name}.{name}"
+        assert "split" in a and "max_sentences" in a
+
+
+@pytest.mark.parametrize("analysis", ANALYSES)
+def test_analysis_in_process_tiny(tiny_cfg, tmp_path, analysis):
+    cfg = tiny_cfg(analysis)
+    ctx = AnalysisContext(cfg, tmp_path / "out")
+    instantiate(cfg.analysis)(ctx)
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["analysis"] == analysis
+    L, H = 2, 4  # conf/encoder/tiny.yaml
+    if analysis == "head_stats":
+        df = pd.read_csv(out / "head_stats.csv")
+        assert len(df[df.stat == "cls"]) == L * H
+        assert df.layer.min() == 0 and df.layer.max() == L - 1 and df["head"].max() == H - 1
+        assert summary["n_sentences"] == 3
+    elif analysis == "dep_heads":
+        table = pd.read_csv(out / "dep_table.csv")
+        assert table.relation.tolist() == ["all"]  # min_count 100 > any relation here
+        # scored: The, dog, John, 's, cat, on, the, unbelievably-comfortable (root, punct excluded)
+        assert table["count"].tolist() == [8]
+        dep = pd.read_csv(out / "dep_heads.csv")
+        assert len(dep) == 2 * L * H and dep.accuracy.between(0, 1).all()
+        assert summary["n_sentences"] == 3
+    else:
+        emb = pd.read_csv(out / "head_embedding.csv")
+        assert len(emb) == L * H and emb[["x", "y"]].notna().all().all()
+        js = pd.read_csv(out / "js_distances.csv")
+        assert len(js) == (L * H) ** 2 and (js.js >= 0).all()
+        assert (js[(js.layer_a == js.layer_b) & (js.head_a == js.head_b)].js == 0).all()
+
+
+def test_dep_heads_min_count_lists_relations(tiny_cfg, tmp_path):
+    cfg = tiny_cfg("dep_heads", "analysis.min_count=2")
+    instantiate(cfg.analysis)(AnalysisContext(cfg, tmp_path / "out"))
+    table = pd.read_csv(tmp_path / "out" / "dep_table.csv")
+    assert table.relation.tolist() == ["all", "case", "det", "nsubj"]
+    assert table.set_index("relation")["count"].to_dict() == {"all": 8, "case": 2, "det": 2, "nsubj": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED_DATA / "ud_english_ewt" / "en_ewt-ud-dev.conllu").is_file(),
+                    reason="shared EWT data not available")
+@pytest.mark.parametrize("analysis", ANALYSES)
+def test_cli_end_to_end(tmp_path, analysis):
+    env = dict(os.environ, PROBES_DATA_DIR=str(SHARED_DATA), PROBES_CACHE_DIR=str(tmp_path / "cache"),
+               WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "probes.analyze", f"analysis={analysis}", "encoder=tiny",
+           "analysis.max_sentences=20", f"paths.log_dir={tmp_path / 'logs'}"]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = list((tmp_path / "logs" / "analyze" / analysis).iterdir())
+    assert len(runs) == 1
+    out = runs[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (out / "wandb").is_dir()  # offline wandb run inside the run dir
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs and all((out / p).stat().st_size > 1000 for p in pngs)
+    if analysis == "head_stats":
+        df = pd.read_csv(out / "head_stats.csv")
+        wide = df.pivot_table(index=["layer", "head"], columns="stat", values="value")
+        assert len(wide) == 2 * 4
+        for k in ("prev", "self", "next", "cls", "sep", "punct"):
+            assert wide[k].between(0, 1).all(), k
+        # every row's entropy is at most log T, so the mean is at most the uniform reference
+        assert (wide.entropy > 0).all() and (wide.entropy <= wide.uniform_entropy + 1e-5).all()
+        assert (wide.cls_entropy <= wide.uniform_entropy.max() + 1e-5).all()
+        assert summary["n_sentences"] == 20
+        assert set(pngs) == {"head_stats_heatmaps.png", "head_stats_layers.png"}
+    elif analysis == "dep_heads":
+        table = pd.read_csv(out / "dep_table.csv")
+        assert table.relation.iloc[0] == "all" and table["count"].iloc[0] > 100
+        assert table.accuracy.between(0, 1).all() and table.offset_accuracy.between(0, 1).all()
+        assert (out / "relation_map.csv").is_file() and (out / "dep_offsets.csv").is_file()
+        assert summary["n_sentences"] == 20
+    else:
+        emb = pd.read_csv(out / "head_embedding.csv")
+        assert len(emb) == 8 and set(emb.behaviour) <= {"prev", "next", "cls", "sep", "punct", "broad", "other"}
+        js = pd.read_csv(out / "js_distances.csv")
+        assert len(js) == 64 and (js.js >= 0).all()

@@ -1,0 +1,49 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from probes.data.conllu import read_conllu
+from probes.train import train
+from tests.conftest import ROOT, chain_overrides, compose_train
+
+
+@pytest.mark.parametrize("probe", ["attn_only", "attn_glove", "distance_glove"])
+def test_train_writes_metrics_and_predictions(probe, chain_data, tmp_path):
+    cfg = compose_train(chain_overrides(chain_data, tmp_path) + [f"probe={probe}", "trainer.max_epochs=2"])
+    metrics = train(cfg)
+    saved = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert saved == metrics
+    for k in ("val/uas", "val/uas_best", "test/uas", "test/uas_nopunct", "train/loss"):
+        assert 0.0 <= saved[k] <= (1.0 if "uas" in k else 100.0), k
+    pred = read_conllu(tmp_path / "out" / "predictions" / "test.conllu")
+    gold = read_conllu(chain_data / "chain" / "chain-test.conllu")
+    assert [s.words for s in pred] == [s.words for s in gold]
+    correct = sum(p == g for s, t in zip(pred, gold) for p, g in zip(s.heads, t.heads))
+    assert abs(correct / sum(s.n for s in gold) - saved["test/uas"]) < 1e-6  # file agrees with the metric
+
+
+def test_distance_probe_learns_the_chain(chain_data, tmp_path):
+    cfg = compose_train(chain_overrides(chain_data, tmp_path) + ["probe=distance_glove", "trainer.max_epochs=8",
+                                                                 "data.batch_size=8"])
+    assert train(cfg)["test/uas"] > 0.95  # every head is the previous word: distance features suffice
+
+
+def test_right_branching_needs_no_training(chain_data, tmp_path):
+    cfg = compose_train(chain_overrides(chain_data, tmp_path) + ["experiment=table3_right_branching"])
+    m = train(cfg)
+    # chain heads point left, right-branching points right: only the root can be right when n == 1
+    assert m["test/uas"] < 0.05 and "best_checkpoint" not in m
+
+
+def test_multirun_over_probes(chain_data, tmp_path):
+    over = [o for o in chain_overrides(chain_data, tmp_path) if not o.startswith("paths.output_dir")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
+    r = subprocess.run([sys.executable, "train.py", "-m", "probe=attn_only,attn_glove", "trainer.max_epochs=1",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}", *over], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sorted((tmp_path / "sweep").glob("*/metrics.json"))
+    assert len(runs) == 2 and all("test/uas" in json.loads(p.read_text()) for p in runs)
