@@ -78,6 +78,7 @@ def _quiet() -> None:
     import logging
 
     warnings.filterwarnings("ignore")
+    import pytorch_lightning  # noqa: F401  (it sets its loggers' levels on import)
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

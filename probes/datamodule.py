@@ -50,28 +50,32 @@ class DependencySplit(Dataset):
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
-    """Pad to the longest sentence N; maps split into word-word, [CLS] and [SEP] parts."""
+    """Pad to the longest sentence N and lay the maps out as probe features.
+
+    F = 2K features per (dependent j, candidate i): K = layers x heads maps of attention j -> i,
+    then the same K maps of attention i -> j. [CLS] and [SEP] become the ROOT features.
+    """
     B, N = len(items), max(len(it["heads"]) for it in items)
     L, H = items[0]["maps"].shape[:2]
     K = L * H
-    attn = torch.zeros(B, K, N, N)  # (B, K, N, N) attention from word j (row) to word i (column)
-    to_cls = torch.zeros(B, K, N)  # (B, K, N) word -> [CLS]
-    to_sep = torch.zeros(B, K, N)  # (B, K, N) word -> [SEP]
-    from_cls = torch.zeros(B, K, N)  # (B, K, N) [CLS] -> word
-    from_sep = torch.zeros(B, K, N)  # (B, K, N) [SEP] -> word
+    feats = torch.zeros(B, 2 * K, N, N)  # (B, F, N, N) [b, f, j, i]
+    root_cls = torch.zeros(B, 2 * K, N)  # (B, F, N) attention j -> [CLS], then [CLS] -> j
+    root_sep = torch.zeros(B, 2 * K, N)  # (B, F, N) attention j -> [SEP], then [SEP] -> j
     heads = torch.full((B, N), -100, dtype=torch.long)  # (B, N) gold head, 0 = ROOT, -100 = padding
     punct = torch.zeros(B, N, dtype=torch.bool)  # (B, N)
-    glove = torch.zeros(B, N, dtype=torch.long)  # (B, N)
+    glove = torch.zeros(B, N, dtype=torch.long)  # (B, N) row in the vector table
     lengths = torch.zeros(B, dtype=torch.long)  # (B,)
     for b, it in enumerate(items):
         n = len(it["heads"])
         m = it["maps"].reshape(K, n + 2, n + 2)
-        attn[b, :, :n, :n] = m[:, 1:-1, 1:-1]
-        to_cls[b, :, :n], to_sep[b, :, :n] = m[:, 1:-1, 0], m[:, 1:-1, -1]
-        from_cls[b, :, :n], from_sep[b, :, :n] = m[:, 0, 1:-1], m[:, -1, 1:-1]
+        words = m[:, 1:-1, 1:-1]  # (K, n, n)
+        feats[b, :K, :n, :n] = words
+        feats[b, K:, :n, :n] = words.transpose(-1, -2)
+        root_cls[b, :K, :n], root_cls[b, K:, :n] = m[:, 1:-1, 0], m[:, 0, 1:-1]
+        root_sep[b, :K, :n], root_sep[b, K:, :n] = m[:, 1:-1, -1], m[:, -1, 1:-1]
         heads[b, :n], punct[b, :n], glove[b, :n], lengths[b] = it["heads"], it["punct"], it["glove"], n
-    return dict(index=torch.tensor([it["index"] for it in items]), attn=attn, to_cls=to_cls, to_sep=to_sep,
-                from_cls=from_cls, from_sep=from_sep, heads=heads, punct=punct, glove=glove, lengths=lengths)
+    return dict(index=torch.tensor([it["index"] for it in items]), feats=feats, root_cls=root_cls,
+                root_sep=root_sep, heads=heads, punct=punct, glove=glove, lengths=lengths)
 
 
 class LengthBatchSampler(Sampler[list[int]]):
@@ -194,6 +198,10 @@ class DependencyDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", shuffle=False)
+
+    def summary(self) -> dict[str, float]:
+        """Cache sizes on disk (MB), reported next to the run's peak RSS."""
+        return {f"data/{stage}_cache_mb": d.cache.manifest["bytes"] / 2**20 for stage, d in self.data.items()}
 
     def sentences(self, stage: str) -> list[Sentence]:
         return self.data[stage].sentences

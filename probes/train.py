@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -38,6 +39,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics.update(_floats(trainer.test(model, datamodule=datamodule, ckpt_path=ckpt or None)[0]))
     if ckpt:
         metrics["best_checkpoint"] = ckpt
+    metrics.update(getattr(datamodule, "summary", dict)())
+    metrics["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))

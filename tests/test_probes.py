@@ -24,10 +24,11 @@ def test_uas_metric_counts_masked_words():
 def test_collate_splits_special_tokens_and_pads():
     a, b = item(3, seed=1), item(5, seed=2)
     batch = collate([a, b])
-    assert batch["attn"].shape == (2, 6, 5, 5) and batch["to_cls"].shape == (2, 6, 5)
+    assert batch["feats"].shape == (2, 12, 5, 5) and batch["root_cls"].shape == (2, 12, 5)
     m = a["maps"].reshape(6, 5, 5)
-    assert torch.equal(batch["attn"][0, :, :3, :3], m[:, 1:4, 1:4])
-    assert torch.equal(batch["to_sep"][0, :, :3], m[:, 1:4, 4]) and torch.equal(batch["from_cls"][0, :, :3], m[:, 0, 1:4])
+    assert torch.equal(batch["feats"][0, :6, :3, :3], m[:, 1:4, 1:4])
+    assert torch.equal(batch["feats"][0, 6:, :3, :3], m[:, 1:4, 1:4].transpose(-1, -2))
+    assert torch.equal(batch["root_sep"][0, :6, :3], m[:, 1:4, 4]) and torch.equal(batch["root_cls"][0, 6:, :3], m[:, 0, 1:4])
     assert batch["heads"][0].tolist() == [0, 1, 2, -100, -100] and batch["lengths"].tolist() == [3, 5]
 
 
@@ -40,8 +41,26 @@ def test_attention_only_with_one_head_predicts_its_argmax():
         probe.root_start.zero_()
         probe.root_end.zero_()
     logits = probe(batch, torch.zeros(1, 1))  # (1, N, N + 1)
-    words = batch["attn"][0, 4]  # (N, N)
+    words = batch["feats"][0, 4]  # (N, N)
     assert torch.equal(logits[0, :, 1:].argmax(-1), words.argmax(-1))
+
+
+def test_glove_probe_equals_linear_map_of_concatenated_pair():
+    batch = collate([item(4, seed=6)])
+    vectors = torch.randn(5, 3)
+    probe = AttentionGlove(num_maps=6, word_dim=3)
+    for p in probe.parameters():
+        torch.nn.init.normal_(p)
+    logits = probe(batch, vectors)[0]  # (N, N + 1)
+    W = torch.cat([probe.dep.weight, probe.cand.weight], 1)  # (F, 2d) acting on [v_j ; v_i]
+    v = vectors[batch["glove"][0]]
+    root = probe.root_start * batch["root_cls"][0] + probe.root_end * batch["root_sep"][0]  # (F, N)
+    for j in range(4):
+        w_root = W @ torch.cat([v[j], torch.zeros(3)]) + probe.dep.bias
+        assert torch.isclose(logits[j, 0], w_root @ root[:, j], atol=1e-4)
+        for i in range(4):
+            w = W @ torch.cat([v[j], v[i]]) + probe.dep.bias
+            assert torch.isclose(logits[j, i + 1], w @ batch["feats"][0, :, j, i], atol=1e-4)
 
 
 def test_glove_probes_shapes_and_right_branching():

@@ -66,6 +66,14 @@ def mds_embedding(dist: np.ndarray, seed: int = 0, n_init: int = 4, max_iter: in
     return coords, float(mds.stress_)
 
 
+def kruskal_stress(dist: np.ndarray, coords: np.ndarray) -> float:
+    """Kruskal's stress-1 of an embedding: sqrt(sum (d_ij - |x_i - x_j|)^2 / sum d_ij^2), pairs i < j."""
+    emb = np.linalg.norm(coords[:, None] - coords[None], axis=-1)
+    iu = np.triu_indices(len(dist), 1)
+    den = float((dist[iu] ** 2).sum())
+    return float(np.sqrt(((dist[iu] - emb[iu]) ** 2).sum() / den)) if den > 0 else 0.0
+
+
 def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
     import matplotlib.pyplot as plt
 
@@ -131,10 +139,11 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max
     nn = np.where(off_diag, dist, np.inf).argmin(1)
     ctx.log_summary(dict(
         analysis="clustering", split=split, encoder=enc.name, level="wordpiece",
-        n_sentences=stats_acc.n, n_tokens=n_tokens, mds_stress=stress,
+        n_sentences=stats_acc.n, n_tokens=n_tokens, mds_stress=stress, mds_stress1=kruskal_stress(dist, coords),
         mean_js_per_token_same_layer=float(dist[same & off_diag].mean() / max(n_tokens, 1)) if L * H > L else None,
         mean_js_per_token_other_layer=float(dist[~same].mean() / max(n_tokens, 1)) if L > 1 else None,
         nearest_neighbour_same_layer=float((la[nn] == la).mean()),
+        nearest_neighbour_same_layer_chance=float((H - 1) / max(K - 1, 1)),
         behaviour_counts={str(k): int(v) for k, v in emb.behaviour.value_counts().items()},
         behaviour_threshold=behaviour_threshold, broad_fraction=broad_fraction,
         uniform_entropy=stats_acc.uniform_entropy, seconds=round(time.time() - t0, 1)))

@@ -1,6 +1,6 @@
 """Keyed, versioned on-disk cache of word-level attention maps.
 
-Layout of one cache entry `<cache_dir>/attention/<slug>-<hash>/`:
+Layout of one cache entry (read lazily, one sentence at a time) `<cache_dir>/attention/<slug>-<hash>/`:
   manifest.json        key, sizes, shard list, skipped sentences (written last)
   maps-r<rank>.f16     float16 maps of the sentences that rank wrote, back to back
   index-r<rank>.npy    (N_r, 3) int64 rows: sentence index, element offset, side W
@@ -98,7 +98,7 @@ class AttentionCache:
             idx = np.load(self.path / shard.replace("maps", "index").replace(".f16", ".npy"))
             self._where[idx[:, 0], 0] = s
             self._where[idx[:, 0], 1:] = idx[:, 1:]
-        self._maps: list[np.memmap] | None = None  # opened on first access in each process
+        self._fds: list[int] | None = None  # opened on first access in each process
 
     def __len__(self) -> int:
         return len(self._where)
@@ -111,14 +111,26 @@ class AttentionCache:
         return self._where[i, 0] >= 0
 
     def __getitem__(self, i: int) -> np.ndarray:
-        """(L, H, W, W) float16 memory-mapped view of sentence i's word-level maps."""
-        shard, offset, side = self._where[i]
+        """(L, H, W, W) float16 maps of sentence i, read from disk on each call.
+
+        Reads copy (os.pread) rather than memory-map, so pages of a cache larger than memory never
+        accumulate in the reading process.
+        """
+        shard, offset, side = (int(v) for v in self._where[i])
         if shard < 0:
             raise KeyError(f"sentence {i} is not in cache {self.path} (skipped: longer than the encoder's maximum)")
-        if self._maps is None:
-            self._maps = [np.memmap(self.path / s, dtype=np.float16, mode="r") for s in self.manifest["shards"]]
-        size = self.num_layers * self.num_heads * side * side
-        return self._maps[shard][offset:offset + size].reshape(self.num_layers, self.num_heads, side, side)
+        if self._fds is None:
+            self._fds = [os.open(self.path / s, os.O_RDONLY) for s in self.manifest["shards"]]
+        shape = (self.num_layers, self.num_heads, side, side)
+        nbytes = 2 * int(np.prod(shape))
+        buf = os.pread(self._fds[shard], nbytes, 2 * offset)
+        if len(buf) != nbytes:
+            raise OSError(f"{self.path / self.manifest['shards'][shard]}: truncated at sentence {i}")
+        return np.frombuffer(buf, dtype=np.float16).reshape(shape)
 
     def __getstate__(self):
-        return dict(self.__dict__, _maps=None)
+        return dict(self.__dict__, _fds=None)
+
+    def __del__(self):
+        for fd in self._fds or []:
+            os.close(fd)
