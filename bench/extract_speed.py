@@ -145,6 +145,7 @@ def child(side: str, args: dict, precision: str | None, queue) -> None:
         device = resolve_device(args["device"])
         sentences = load_words(args["split"], args["max_sentences"], args["data_dir"])
         encoder = load_bench_encoder(args["encoder"])
+        encoder.model  # weights may load lazily on first access: load them before the clock starts
         res = dict(side=side, device=device, n_input=len(sentences))
         if side == "plain":
             model = encoder.model.to(device)  # fp32 on either device

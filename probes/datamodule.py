@@ -155,14 +155,16 @@ class DependencyDataModule(pl.LightningDataModule):
             self.vectors = torch.zeros(1, 1)
             return
         wv = instantiate(self.glove_cfg)
-        rows: dict[int, int] = {}
+        vocab = sorted({w for d in loaded.values() for s in d.sentences for w in s.words})
+        row_of = dict(zip(vocab, wv.lookup(vocab).tolist()))  # word -> GloVe row or -1
+        rows: dict[int, int] = {}  # GloVe row -> row in the compact table (0 = no vector)
         for stage, d in loaded.items():
             missing = total = 0
             for s in d.sentences:
-                ids = wv.lookup(s.words)
+                ids = [row_of[w] for w in s.words]
                 total += len(ids)
-                missing += int((ids < 0).sum())
-                d.glove_ids.append(np.array([0 if r < 0 else rows.setdefault(int(r), len(rows) + 1) for r in ids],
+                missing += sum(r < 0 for r in ids)
+                d.glove_ids.append(np.array([0 if r < 0 else rows.setdefault(r, len(rows) + 1) for r in ids],
                                             dtype=np.int64))
             log.info("%s/%s: %d of %d words (%.1f%%) have no GloVe vector and get the zero vector",
                      self.name, stage, missing, total, 100 * missing / max(total, 1))

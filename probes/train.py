@@ -41,6 +41,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics["best_checkpoint"] = ckpt
     metrics.update(getattr(datamodule, "summary", dict)())
     metrics["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # largest child process (data-loader workers; forked, so most of their pages are shared with this one)
+    metrics["sys/peak_rss_children_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))

@@ -7,26 +7,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 __all__ = ["WordVectors", "load_kumo", "load_text"]
 
 
 @dataclass
 class WordVectors:
-    """Vocabulary plus row-aligned vectors; lookups lowercase the query when ``lowercase``."""
+    """Vocabulary plus row-aligned vectors; lookups lowercase the query when ``lowercase``.
 
-    words: list[str]
+    The vocabulary is kept as an Arrow string array and looked up with a hash join, so the 400k
+    GloVe words never become a Python dict (that alone would cost ~150 MB of memory).
+    """
+
+    words: pa.Array  # (V,) string; a list is converted
     vectors: np.ndarray  # (V, d) float32
     lowercase: bool = True
-    _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.words, pa.Array):
+            self.words = pa.array(self.words, type=pa.string())
         if self.vectors.ndim != 2 or self.vectors.shape[0] != len(self.words):
             raise ValueError(f"vectors shape {self.vectors.shape} does not match {len(self.words)} words")
-        index: dict[str, int] = {}
-        for i, w in enumerate(self.words):
-            index.setdefault(w, i)  # first occurrence wins
-        self._index = index
 
     @property
     def dim(self) -> int:
@@ -37,11 +40,13 @@ class WordVectors:
 
     def index(self, word: str) -> int:
         """Row of ``word`` or -1."""
-        return self._index.get(word.lower() if self.lowercase else word, -1)
+        return int(self.lookup([word])[0])
 
     def lookup(self, words) -> np.ndarray:
-        """Rows of ``words``, -1 where missing."""
-        return np.fromiter((self.index(w) for w in words), dtype=np.int64)  # (len(words),)
+        """Rows of ``words`` (first occurrence in the vocabulary), -1 where missing; one call for many words."""
+        query = pa.array([w.lower() if self.lowercase else w for w in words], type=pa.string())
+        rows = pc.index_in(query, value_set=self.words)
+        return rows.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)  # (len(words),)
 
 
 def load_kumo(lowercase: bool = True, dim: int = 50) -> WordVectors:
@@ -54,7 +59,7 @@ def load_kumo(lowercase: bool = True, dim: int = 50) -> WordVectors:
     vectors = np.load(emb_path, mmap_mode="r")  # (400000, 50) float32
     if vectors.ndim != 2 or vectors.shape[1] != dim:
         raise ValueError(f"{emb_path}: vectors have shape {vectors.shape}, config asks for dim={dim}")
-    words = pq.read_table(idx_path, columns=["index"]).column("index").to_pylist()
+    words = pq.read_table(idx_path, columns=["index"]).column("index").combine_chunks()
     if len(words) != vectors.shape[0]:
         raise ValueError(f"{idx_path}: {len(words)} words but {emb_path} has {vectors.shape[0]} rows")
     return WordVectors(words=words, vectors=vectors, lowercase=lowercase)

@@ -1,0 +1,419 @@
+"""``analysis=coref_heads``: which heads find coreferent antecedents (Clark et al. §4.2, Table 2).
+
+Antecedent selection accuracy: for every coreferent mention with an antecedent in the same segment,
+does the mention's **head word** attend most (ignoring itself, [CLS] and [SEP], as in ``dep_heads``)
+to the head word of one of its antecedents? Word level, from an attention cache of document
+segments (attention TO a split word summed over its pieces, FROM it averaged; ``conf/extract``).
+
+Data (``source``): ``gum`` (default; UD GUM CoNLL-U MISC ``Entity=``, GUM scheme), ``ontogum``
+(OntoGUM = GUM converted to the OntoNotes/CoNLL-2012 scheme, aligned to UD GUM for sentences and
+trees) or ``litbank`` (LitBank CoNLL-2012, no trees: heuristic head words, no official split, so
+the first ``max_documents`` files in file-name order; ``null`` = all 100). See
+:mod:`probes.data.coref` for formats, head words and mention types. Clusters with a single mention
+(singletons, annotated in GUM only) are dropped before anything else, so mentions and baseline
+candidates are the CoNLL-2012-style coreferent mentions.
+
+Segments: BERT reads at most ``encoder.max_length`` wordpieces (512 for BERT/MiniLM). Each document
+is cut into segments of **consecutive whole sentences packed greedily**: a sentence is added to the
+current segment while ``[CLS] + pieces + [SEP]`` stays within ``max_length``, else it starts a new
+segment; a sentence is never split (a single sentence longer than the limit is left out and
+counted). A mention is evaluated when it lies inside one segment and at least one earlier mention of
+its cluster (antecedent, ordered by (start, end)) with a different head word lies in the same segment.
+
+Baselines (same mentions; candidates = the earlier coreferent mentions of the segment with a head
+word other than the mention's own; each predicts a candidate's head word, right when that word is the
+head of one of the mention's antecedents):
+
+* ``nearest``: the closest preceding mention (largest (start, end));
+* ``head_match``: the closest preceding mention whose head word equals the mention's (lowercased),
+  else ``nearest``;
+* ``rule_based`` (after Lee et al. 2011, as in Clark): (1) closest mention with the same string
+  (lowercased), (2) closest with the same head word, (3) for pronouns only: closest mention agreeing
+  in person, number and gender/animacy where both are known (pronoun lexicon, UD ``Number`` of the
+  head, GUM entity type: ``person`` is animate, other types except ``animal`` inanimate), (4) nearest.
+
+Outputs: ``coref_heads.csv`` (layer, head, mention_type, accuracy, count; 0-based),
+``coref_table.csv`` (Table 2: one row per method - the best head overall and its 1-based name, the
+best head of each mention type, the three baselines - columns all/pronoun/proper/nominal and the
+counts), ``coref_mentions.csv`` (one row per evaluated mention: document, mention type, baseline
+hits), ``coref_heads.png``, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from probes.analysis.naming import head_name
+from probes.data.coref import CorefDocument, Mention, pronoun_features
+
+log = logging.getLogger(__name__)
+
+MENTION_TYPES = ("pronoun", "proper", "nominal")
+GROUPS = ("all",) + MENTION_TYPES
+BASELINES = ("nearest", "head_match", "rule_based")
+SEGMENT_FORMAT = 1  # bump when the segmentation rule changes (part of the cache key)
+
+
+# ----------------------------------------------------------------------------- segmentation
+@dataclass(frozen=True)
+class Segment:
+    doc: int  # document index
+    first_sentence: int  # sentence range [first_sentence, last_sentence)
+    last_sentence: int
+    word_start: int  # document-level word range [word_start, word_end)
+    word_end: int
+    n_pieces: int  # wordpieces incl. [CLS] and [SEP]
+
+
+def sentence_pieces(tokenizer, docs: list[CorefDocument]) -> list[list[int]]:
+    """Wordpieces of every sentence (no [CLS]/[SEP]), tokenized from its words as the cache does."""
+    from probes.extract.wordpiece import encode_sentences
+
+    flat = [list(s.words) for d in docs for s in d.sentences]
+    enc = encode_sentences(tokenizer, flat) if flat else []
+    out, k = [], 0
+    for d in docs:
+        out.append([enc[k + i].n_pieces - 2 for i in range(len(d.sentences))])
+        k += len(d.sentences)
+    return out
+
+
+def segment_document(pieces: list[int], max_length: int, doc: int = 0,
+                     sentence_words: list[int] | None = None) -> tuple[list[Segment], list[int]]:
+    """Greedy packing of whole sentences into segments of <= max_length pieces incl. [CLS]/[SEP].
+
+    ``pieces[i]``: wordpieces of sentence i without specials; ``sentence_words[i]``: its words
+    (defaults to ``pieces``, only used for the word offsets). Returns (segments, too_long sentences).
+    """
+    words = sentence_words if sentence_words is not None else pieces
+    offsets = np.concatenate([[0], np.cumsum(words)]).astype(int)
+    segs, too_long = [], []
+    cur, cur_pieces = None, 0
+    for i, p in enumerate(pieces):
+        if p + 2 > max_length:
+            too_long.append(i)
+            if cur is not None:
+                segs.append((cur, i, cur_pieces))
+            cur, cur_pieces = None, 0
+            continue
+        if cur is not None and cur_pieces + p + 2 > max_length:
+            segs.append((cur, i, cur_pieces))
+            cur, cur_pieces = None, 0
+        if cur is None:
+            cur = i
+        cur_pieces += p
+    if cur is not None:
+        segs.append((cur, len(pieces), cur_pieces))
+    return [Segment(doc, a, b, int(offsets[a]), int(offsets[b]), n + 2) for a, b, n in segs], too_long
+
+
+# ----------------------------------------------------------------------------- mention features
+def _agreement_features(doc: CorefDocument) -> dict[tuple[int, int], tuple]:
+    """(person, number, animacy) per mention key; None where unknown."""
+    number = [n for s in doc.sentences for n in (s.number or (None,) * len(s.words))]
+    words = doc.words
+    out = {}
+    for m in doc.mentions:
+        if m.mtype == "pronoun":
+            person, num, gender = pronoun_features(words[m.head])
+            anim = None if gender is None else gender in ("m", "f")
+        else:
+            person, gender = 3, None
+            num = {"Sing": "sg", "Plur": "pl"}.get(number[m.head] or "")
+            anim = None if m.etype in (None, "animal") else m.etype == "person"
+        out[m.key] = (person, num, anim)
+    return out
+
+
+def _agree(a: tuple, b: tuple) -> bool:
+    return all(x is None or y is None or x == y for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- baselines
+def nearest(m: Mention, cands: list[Mention]) -> int:
+    """Head word of the closest preceding candidate (candidates sorted by (start, end))."""
+    return cands[-1].head
+
+
+def head_match(m: Mention, cands: list[Mention], words: list[str]) -> int:
+    hw = words[m.head].lower()
+    for c in reversed(cands):
+        if words[c.head].lower() == hw:
+            return c.head
+    return nearest(m, cands)
+
+
+def rule_based(m: Mention, cands: list[Mention], words: list[str], feats: dict | None = None) -> int:
+    text = " ".join(words[m.start:m.end + 1]).lower()
+    for c in reversed(cands):
+        if " ".join(words[c.start:c.end + 1]).lower() == text:
+            return c.head
+    hw = words[m.head].lower()
+    for c in reversed(cands):
+        if words[c.head].lower() == hw:
+            return c.head
+    if m.mtype == "pronoun" and feats is not None:
+        for c in reversed(cands):
+            if _agree(feats[m.key], feats[c.key]):
+                return c.head
+    return nearest(m, cands)
+
+
+# ----------------------------------------------------------------------------- evaluation
+@dataclass
+class Item:
+    """One evaluated mention of one segment (segment-local word indices, 0 = first word)."""
+
+    doc_id: str
+    segment: int
+    head: int
+    mtype: str
+    antecedent_heads: frozenset[int]
+    predictions: dict[str, int]  # baseline -> predicted local word
+
+
+def segment_items(doc: CorefDocument, seg: Segment, seg_index: int) -> list[Item]:
+    """The mentions of ``seg`` that have an antecedent (different head) in it, with baseline predictions."""
+    words = doc.words
+    inside = [m for m in doc.mentions if seg.word_start <= m.start and m.end < seg.word_end]
+    inside.sort(key=lambda m: (m.start, m.end))
+    feats = _agreement_features(doc)
+    items = []
+    for k, m in enumerate(inside):
+        before = [c for c in inside[:k] if c.head != m.head]
+        ants = frozenset(c.head for c in before if c.cluster == m.cluster)
+        if not ants:
+            continue
+        preds = dict(nearest=nearest(m, before), head_match=head_match(m, before, words),
+                     rule_based=rule_based(m, before, words, feats))
+        o = seg.word_start
+        items.append(Item(doc.doc_id, seg_index, m.head - o, m.mtype, frozenset(a - o for a in ants),
+                          {b: p - o for b, p in preds.items()}))
+    return items
+
+
+def head_predictions(attn: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """Most-attended word (local index) of each mention head for every (layer, head).
+
+    attn: (L, H, W, W) word-level map with [CLS] first and [SEP] last; heads: (M,) local word
+    indices. Attention to the word itself, [CLS] and [SEP] is ignored. Returns (L, H, M).
+    """
+    W = attn.shape[-1]
+    rows = attn[:, :, heads + 1, 1:W - 1].astype(np.float32)  # (L, H, M, n)
+    rows[:, :, np.arange(len(heads)), heads] = -np.inf
+    return rows.argmax(-1)
+
+
+class CorefAccumulator:
+    """Correct counts per (mention type, layer, head) and per baseline."""
+
+    def __init__(self, num_layers: int, num_heads: int):
+        self.L, self.H = num_layers, num_heads
+        self.correct = {g: np.zeros((num_layers, num_heads), dtype=np.int64) for g in GROUPS}
+        self.base = {g: dict.fromkeys(BASELINES, 0) for g in GROUPS}
+        self.count = dict.fromkeys(GROUPS, 0)
+        self.rows: list[dict] = []
+
+    def add(self, attn: np.ndarray | None, items: list[Item]) -> None:
+        if not items:
+            return
+        if attn is not None:
+            pred = head_predictions(attn, np.array([it.head for it in items]))  # (L, H, M)
+        for k, it in enumerate(items):
+            hit = {b: it.predictions[b] in it.antecedent_heads for b in BASELINES}
+            for g in ("all", it.mtype):
+                self.count[g] += 1
+                if attn is not None:
+                    self.correct[g] += np.isin(pred[:, :, k], list(it.antecedent_heads))
+                for b in BASELINES:
+                    self.base[g][b] += hit[b]
+            self.rows.append(dict(doc_id=it.doc_id, segment=it.segment, head_word=it.head, mention_type=it.mtype,
+                                  n_antecedents=len(it.antecedent_heads), **hit))
+
+    def head_accuracy(self, group: str) -> np.ndarray:
+        return self.correct[group] / max(1, self.count[group])
+
+    def baseline_accuracy(self, group: str, baseline: str) -> float:
+        return self.base[group][baseline] / max(1, self.count[group])
+
+
+def tables(acc: CorefAccumulator) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(coref_heads, coref_table)."""
+    rows = []
+    for g in GROUPS:
+        a = acc.head_accuracy(g)
+        for l in range(acc.L):
+            for h in range(acc.H):
+                rows.append((l, h, g, float(a[l, h]), acc.count[g]))
+    heads = pd.DataFrame(rows, columns=["layer", "head", "mention_type", "accuracy", "count"])
+    trows = []
+
+    def row(method, l, h):
+        r = dict(method=method, layer=l, head=h, name=None if l is None else head_name(l, h))
+        for g in GROUPS:
+            r[g] = float(acc.head_accuracy(g)[l, h]) if l is not None else acc.baseline_accuracy(g, method)
+        return r
+
+    l, h = np.unravel_index(int(np.argmax(acc.head_accuracy("all"))), (acc.L, acc.H))
+    trows.append(row("best_head", int(l), int(h)))
+    for g in MENTION_TYPES:
+        l, h = np.unravel_index(int(np.argmax(acc.head_accuracy(g))), (acc.L, acc.H))
+        trows.append(row(f"best_head_{g}", int(l), int(h)))
+    for b in BASELINES:
+        trows.append(row(b, None, None))
+    table = pd.DataFrame(trows)
+    for g in GROUPS:
+        table[f"n_{g}"] = acc.count[g]
+    for c in ("layer", "head"):  # ints, None for the baselines (object column: CSV "" and wandb-friendly)
+        table[c] = pd.Series([None if v is None or pd.isna(v) else int(v) for v in table[c]], dtype=object)
+    return heads, table
+
+
+def figure(acc: CorefAccumulator, table: pd.DataFrame):
+    import matplotlib.pyplot as plt  # noqa: F401
+    from probes.analysis import plots  # noqa: F401  (Agg backend)
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, max(3.2, 0.4 * acc.L + 1.5)),
+                                   gridspec_kw=dict(width_ratios=[1.1, 1]))
+    a = 100 * acc.head_accuracy("all")
+    im = ax0.imshow(a, aspect="auto", cmap="viridis", vmin=0)
+    ax0.set_xticks(range(acc.H), [str(h + 1) for h in range(acc.H)], fontsize=6)
+    ax0.set_yticks(range(acc.L), [str(l + 1) for l in range(acc.L)], fontsize=6)
+    ax0.set_xlabel("head")
+    ax0.set_ylabel("layer")
+    ax0.set_title(f"antecedent selection accuracy (%), all ({acc.count['all']} mentions)", fontsize=9)
+    fig.colorbar(im, ax=ax0, fraction=0.046, pad=0.04)
+    methods = table[table.method.isin(["best_head", *BASELINES])].reset_index(drop=True)
+    x = np.arange(len(GROUPS))
+    w = 0.8 / len(methods)
+    for i, r in methods.iterrows():
+        label = f"head {r['name']}" if r.method == "best_head" else r.method
+        ax1.bar(x + (i - (len(methods) - 1) / 2) * w, [100 * r[g] for g in GROUPS], w, label=label)
+    ax1.set_xticks(x, [f"{g}\n({acc.count[g]})" for g in GROUPS], fontsize=8)
+    ax1.set_ylabel("accuracy (%)")
+    ax1.set_ylim(0, 100)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- data
+def _sha(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _gum_treebank(ctx):
+    """The UD GUM treebank: ``cfg.data`` when it is GUM, else ``conf/data/gum.yaml``."""
+    if "gum" in str(ctx.cfg.data.treebank.get("name", "")).lower():
+        return ctx.treebank
+    from probes.data.sources import load_treebank
+
+    log.info("data=%s is not GUM; reading UD GUM from conf/data/gum.yaml", ctx.cfg.data.get("name"))
+    return load_treebank("gum", ctx.cfg.paths.data_dir)
+
+
+def load_documents(ctx, source: str, split: str, max_documents: int | None,
+                   ontogum_dir: str = "gum_coref_ontogum", litbank_dir: str = "litbank_coref/conll"):
+    """(documents with singletons removed, dataset name, data digest, files)."""
+    from probes.data import coref as C
+
+    data_dir = Path(ctx.cfg.paths.data_dir)
+    if source == "gum":
+        tb = _gum_treebank(ctx)
+        path = tb.ensure(split)
+        docs, files, name = C.read_gum_coref(path), [path], "gum"
+    elif source == "ontogum":
+        tb = _gum_treebank(ctx)
+        conll = data_dir / ontogum_dir / f"ontogum_{split}.conll"
+        ud = tb.ensure(split)
+        docs, files, name = C.read_ontogum(conll, ud), [conll, ud], "ontogum"
+    elif source == "litbank":
+        folder = data_dir / litbank_dir
+        files = sorted(folder.glob("*.conll"))[:max_documents]
+        docs, name = C.read_litbank(folder, max_documents), "litbank"
+        split = "all" if max_documents is None else f"first{max_documents}"
+    else:
+        raise ValueError(f"analysis.source must be gum, ontogum or litbank, got {source!r}")
+    if source != "litbank":
+        docs = docs[:max_documents]
+    return [d.without_singletons() for d in docs], name, split, _sha(files)
+
+
+def coref_cache(ctx, docs, segments, dataset: str, split: str, digest: str, max_length: int,
+                max_documents: int | None):
+    """Word-level attention of every segment through :func:`probes.extract.stage.extract`."""
+    from hydra.utils import instantiate
+
+    from probes.extract.cache import FORMAT_VERSION
+    from probes.extract.stage import extract, resolve_precision
+
+    cfg = ctx.cfg.extract
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    trainer_cfg = cfg.pop("trainer")
+    precision = resolve_precision(cfg.pop("precision"), trainer_cfg.get("accelerator", "auto"))
+    cfg["max_length"] = max_length
+    cfg["long_sentences"] = "error"  # segments are built to fit
+    enc = ctx.encoder
+    key = dict(format_version=FORMAT_VERSION, encoder=enc.name, revision=enc.fingerprint,
+               dataset=f"{dataset}-coref-segments", split=split, data_sha256=digest, max_documents=max_documents,
+               segmentation=f"greedy-whole-sentences-v{SEGMENT_FORMAT}", max_length=max_length,
+               from_words=cfg["from_words"], to_words=cfg["to_words"], precision=precision, storage="float16")
+    words = [[w for s in docs[g.doc].sentences[g.first_sentence:g.last_sentence] for w in s.words] for g in segments]
+    trainer = instantiate(trainer_cfg, precision=precision, _partial_=True)
+    return extract(enc, words, key, ctx.cfg.paths.cache_dir, trainer, **cfg)
+
+
+# ----------------------------------------------------------------------------- entry point
+def coref_heads(ctx, *, source: str = "gum", split: str = "dev", max_documents: int | None = None,
+                max_length: int | None = None, ontogum_dir: str = "gum_coref_ontogum",
+                litbank_dir: str = "litbank_coref/conll") -> pd.DataFrame:
+    """Evaluate every head on antecedent selection; save the tables and the figure; return coref_table."""
+    t0 = time.time()
+    docs, dataset, split, digest = load_documents(ctx, source, split, max_documents, ontogum_dir, litbank_dir)
+    enc = ctx.encoder
+    max_length = int(max_length or enc.max_length)
+    pieces = sentence_pieces(enc.tokenizer, docs)
+    segments, n_long = [], 0
+    for i, d in enumerate(docs):
+        segs, long = segment_document(pieces[i], max_length, i, [len(s.words) for s in d.sentences])
+        segments += segs
+        n_long += len(long)
+    if n_long:
+        log.warning("%d sentences exceed %d wordpieces and are left out of every segment", n_long, max_length)
+    log.info("%s/%s: %d documents, %d coreferent mentions, %d segments (<= %d wordpieces)", dataset, split,
+             len(docs), sum(len(d.mentions) for d in docs), len(segments), max_length)
+    cache = coref_cache(ctx, docs, segments, dataset, split, digest, max_length, max_documents)
+    acc = CorefAccumulator(cache.num_layers, cache.num_heads)
+    for i, g in enumerate(tqdm(segments, desc="coref_heads", unit="seg", disable=None)):
+        items = segment_items(docs[g.doc], g, i)
+        if items:
+            acc.add(np.asarray(cache[i], dtype=np.float32), items)
+    heads, table = tables(acc)
+    ctx.save_table(heads, "coref_heads")
+    ctx.save_table(table, "coref_table")
+    ctx.save_table(pd.DataFrame(acc.rows), "coref_mentions")
+    ctx.save_figure(figure(acc, table), "coref_heads")
+    n_coref = sum(len(d.mentions) for d in docs)
+    ctx.log_summary(dict(
+        analysis="coref_heads", source=source, dataset=dataset, split=split, encoder=enc.name,
+        n_documents=len(docs), n_segments=len(segments), max_length=max_length, n_long_sentences=n_long,
+        n_coreferent_mentions=n_coref, counts=dict(acc.count), cache=str(cache.path),
+        seconds=round(time.time() - t0, 1),
+        table={r.method: dict(name=r["name"], **{g: round(float(r[g]), 4) for g in GROUPS})
+               for _, r in table.iterrows()}))
+    log.info("coref_heads: %d mentions, best head %s (%.3f) in %.1fs", acc.count["all"], table.loc[0, "name"],
+             table.loc[0, "all"], time.time() - t0)
+    return table

@@ -1,0 +1,146 @@
+"""``analysis=disable_heads``: Kovaleva et al. 2019 §5 (Figs 8-9) — disable one attention head, or
+one whole layer, of a fine-tuned GLUE model and measure the task metric on the dev set.
+
+"Disabling" = the head's attention is replaced by uniform attention over the real tokens
+(`probes.glue.disable.AttentionDisabler`; Kovaleva et al. also set the head's attention to uniform).
+The model is scored with nothing disabled, with each single (layer, head) disabled, and with each
+layer's heads all disabled. Needs `analysis.checkpoint` (an `hf_model` folder or a run folder
+holding one, or a Lightning `.ckpt` built on `encoder`); several at once as a {task: path} mapping.
+
+Outputs, per task: ``disable_heads_<task>.csv`` (tidy: task, condition ∈ {none, head, layer},
+layer, head (-1 for a whole layer / none), name (1-based `layer-head`, `L<l>`, `none`), metric,
+value, baseline, delta = value - baseline), ``disable_heads_<task>.png`` (layer x head heatmap of
+the change of the main metric, 1-based axes), ``disable_layers_<task>.png`` (bar per layer),
+``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from probes.analysis.naming import head_name
+from probes.glue.data import read_glue, task_spec
+from probes.glue.disable import AttentionDisabler
+from probes.glue.evaluate import logits_and_labels, make_batches
+from probes.glue.load import load_finetuned
+from probes.glue.metrics import score
+
+log = logging.getLogger(__name__)
+
+
+def _checkpoints(checkpoint, task) -> dict[str | None, str]:
+    if checkpoint is None:
+        raise ValueError("set analysis.checkpoint=<run dir | hf_model dir | .ckpt> (or a {task: path} mapping)")
+    if hasattr(checkpoint, "items"):
+        return {str(k): str(v) for k, v in checkpoint.items()}
+    return {task: str(checkpoint)}
+
+
+def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, device="cpu",
+                   heads: bool = True, layers: bool = True, progress: bool = True) -> pd.DataFrame:
+    """Tidy scores for: nothing disabled, each single head, each whole layer (0-based indices)."""
+    conditions = [("none", -1, -1)]
+    if heads:
+        conditions += [("head", l, h) for l in range(num_layers) for h in range(num_heads)]
+    if layers:
+        conditions += [("layer", l, -1) for l in range(num_layers)]
+    rows, base = [], None
+    for cond, l, h in tqdm(conditions, desc=f"disable_heads {task}", unit="cond", disable=None if progress else True):
+        dis = AttentionDisabler(model, heads={(l, h)} if cond == "head" else (),
+                                layers={l} if cond == "layer" else ())
+        with dis:
+            logits, labels = logits_and_labels(model, batches, device)
+        values = score(task, logits, labels)
+        if base is None:
+            base = values
+        name = "none" if cond == "none" else (head_name(l, h) if cond == "head" else f"L{l + 1}")
+        for metric, v in values.items():
+            rows.append(dict(task=task, condition=cond, layer=l, head=h, name=name, metric=metric, value=v,
+                             baseline=base[metric], delta=v - base[metric]))
+    return pd.DataFrame(rows)
+
+
+def heatmap(df: pd.DataFrame, metric: str, num_layers: int, num_heads: int, task: str):
+    import matplotlib.pyplot as plt
+
+    from probes.analysis import plots  # noqa: F401  (Agg backend)
+
+    d = df[(df.condition == "head") & (df.metric == metric)]
+    m = np.full((num_layers, num_heads), np.nan)
+    m[d.layer.to_numpy(), d.head.to_numpy()] = d.delta.to_numpy()
+    base = float(df[(df.condition == "none") & (df.metric == metric)].value.iloc[0])
+    lim = max(1e-6, float(np.nanmax(np.abs(m))))
+    fig, ax = plt.subplots(figsize=(0.5 * num_heads + 2, 0.45 * num_layers + 1.5))
+    im = ax.imshow(m, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
+    for l in range(num_layers):
+        for h in range(num_heads):
+            ax.text(h, l, f"{100 * m[l, h]:+.1f}", ha="center", va="center", fontsize=5)
+    ax.set_xticks(range(num_heads), [str(h + 1) for h in range(num_heads)], fontsize=7)
+    ax.set_yticks(range(num_layers), [str(l + 1) for l in range(num_layers)], fontsize=7)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{task}: change in dev {metric} when one head is disabled\n"
+                 f"(baseline {100 * base:.1f}; cell values x100)", fontsize=8)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    return fig
+
+
+def layer_bars(df: pd.DataFrame, metric: str, task: str):
+    import matplotlib.pyplot as plt
+
+    from probes.analysis import plots  # noqa: F401
+
+    d = df[(df.condition == "layer") & (df.metric == metric)].sort_values("layer")
+    base = float(df[(df.condition == "none") & (df.metric == metric)].value.iloc[0])
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(d) + 2), 3.2))
+    colors = ["tab:red" if v < 0 else "tab:blue" for v in d.delta]
+    ax.bar(d.layer + 1, 100 * d.delta, color=colors)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set_xticks(d.layer + 1)
+    ax.set_xlabel("disabled layer")
+    ax.set_ylabel(f"change in dev {metric} (x100)")
+    ax.set_title(f"{task}: whole layer disabled (baseline {100 * base:.1f})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def disable_heads(ctx, *, checkpoint=None, task: str | None = None, split: str = "dev",
+                  max_examples: int | None = None, batch_size: int = 64, max_length: int = 128,
+                  heads: bool = True, layers: bool = True) -> pd.DataFrame:
+    t0 = time.time()
+    frames, summary = [], {}
+    for want_task, path in _checkpoints(checkpoint, task).items():
+        enc = ctx.encoder if str(path).endswith(".ckpt") else None
+        ft = load_finetuned(path, encoder=enc, task=want_task)
+        model = ft.model.to(ctx.device)
+        L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+        examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
+        batches = make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
+        log.info("disable_heads: %s, %d %s examples, %d layers x %d heads", ft.task, len(examples), split, L, H)
+        df = disable_scores(model, batches, ft.task, L, H, ctx.device, heads, layers)
+        main = task_spec(ft.task).main_metric
+        ctx.save_table(df, f"disable_heads_{ft.task}")
+        if heads:
+            ctx.save_figure(heatmap(df, main, L, H, ft.task), f"disable_heads_{ft.task}")
+        if layers:
+            ctx.save_figure(layer_bars(df, main, ft.task), f"disable_layers_{ft.task}")
+        d = df[df.metric == main]
+        hd, ly = d[d.condition == "head"], d[d.condition == "layer"]
+        s = dict(checkpoint=ft.path, n_examples=len(examples), metric=main,
+                 baseline=float(d[d.condition == "none"].value.iloc[0]))
+        if len(hd):
+            s.update(best_head=hd.loc[hd.value.idxmax(), "name"], best_head_value=float(hd.value.max()),
+                     worst_head=hd.loc[hd.value.idxmin(), "name"], worst_head_value=float(hd.value.min()),
+                     n_heads_improving=int((hd.delta > 0).sum()), n_heads=len(hd))
+        if len(ly):
+            s.update(layers={r["name"]: round(float(r.value), 4) for _, r in ly.iterrows()})
+        summary[ft.task] = s
+        frames.append(df)
+    ctx.log_summary(dict(analysis="disable_heads", split=split, tasks=summary, seconds=round(time.time() - t0, 1)))
+    return pd.concat(frames, ignore_index=True)

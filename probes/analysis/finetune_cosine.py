@@ -1,0 +1,110 @@
+"""``analysis=finetune_cosine``: Kovaleva et al. 2019 §4.3 (Fig 5) — how much does fine-tuning change
+each head's attention? Per head, the cosine similarity between the flattened (wordpiece x
+wordpiece) attention maps of the pre-trained encoder (`encoder`, e.g. minilm) and of the
+fine-tuned model on the same dev example, averaged over the examples.
+
+Maps are compared over the real tokens only (padded query rows and key columns are dropped,
+which equals running each example unpadded). Needs `analysis.checkpoint` (an `hf_model` folder,
+a run folder holding one, or a `.ckpt`); several tasks at once as a {task: path} mapping.
+
+Outputs: ``finetune_cosine.csv`` (task, layer, head (0-based), name (1-based), cosine, n_examples),
+``finetune_cosine.png`` (one layer x head heatmap per task), ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from probes.analysis.disable_heads import _checkpoints
+from probes.analysis.naming import head_name
+from probes.glue.data import read_glue
+from probes.glue.evaluate import MODEL_KEYS, make_batches
+from probes.glue.load import load_finetuned
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def attention_cosine(model_a, model_b, batches, device="cpu", progress: bool = True) -> tuple[np.ndarray, int]:
+    """(L, H) mean over examples of cos(flattened map of model_a, of model_b); and the example count.
+
+    Computed in float64 as dot / sqrt(|a|^2 |b|^2), so a model compared with itself gives exactly 1.
+    """
+    total, n = None, 0
+    for b in tqdm(batches, desc="finetune_cosine", unit="batch", disable=None if progress else True):
+        inputs = {k: b[k].to(device) for k in MODEL_KEYS if k in b}
+        att_a = model_a(**inputs, output_attentions=True).attentions
+        att_b = att_a if model_b is model_a else model_b(**inputs, output_attentions=True).attentions
+        if len(att_a) != len(att_b) or att_a[0].shape != att_b[0].shape:
+            raise ValueError("the two models differ in layers or heads")
+        real = inputs["attention_mask"].to(torch.float64)
+        pair = real[:, None, :, None] * real[:, None, None, :]                  # (B, 1, T, T)
+        a = torch.stack(att_a, 1).to(torch.float64) * pair[:, None]            # (B, L, H, T, T)
+        c = torch.stack(att_b, 1).to(torch.float64) * pair[:, None]
+        dot = (a * c).flatten(3).sum(-1)
+        norm = torch.sqrt((a * a).flatten(3).sum(-1) * (c * c).flatten(3).sum(-1))
+        cos = (dot / norm).sum(0)                                               # (L, H)
+        total = cos if total is None else total + cos
+        n += a.shape[0]
+    return (total / n).cpu().numpy(), n
+
+
+def heatmaps(values: dict[str, np.ndarray]):
+    import matplotlib.pyplot as plt
+
+    from probes.analysis import plots  # noqa: F401  (Agg backend)
+
+    k = len(values)
+    L, H = next(iter(values.values())).shape
+    fig, axes = plt.subplots(1, k, figsize=((0.45 * H + 1.8) * k, 0.4 * L + 1.6), squeeze=False)
+    for ax, (task, m) in zip(axes[0], values.items()):
+        im = ax.imshow(m, cmap="viridis", vmin=min(0.0, float(m.min())), vmax=1.0, aspect="auto")
+        for l in range(L):
+            for h in range(H):
+                ax.text(h, l, f"{m[l, h]:.2f}", ha="center", va="center", fontsize=5,
+                        color="k" if m[l, h] > 0.6 else "w")
+        ax.set_xticks(range(H), [str(h + 1) for h in range(H)], fontsize=7)
+        ax.set_yticks(range(L), [str(l + 1) for l in range(L)], fontsize=7)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{task}: cos(pre-trained, fine-tuned)", fontsize=8)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    return fig
+
+
+def finetune_cosine(ctx, *, checkpoint=None, task: str | None = None, split: str = "dev",
+                    max_examples: int | None = None, batch_size: int = 32, max_length: int = 128) -> pd.DataFrame:
+    t0 = time.time()
+    pre = ctx.encoder.model.to(ctx.device)
+    rows, maps, summary = [], {}, {}
+    for want_task, path in _checkpoints(checkpoint, task).items():
+        ft = load_finetuned(path, encoder=ctx.encoder if str(path).endswith(".ckpt") else None, task=want_task)
+        base = ft.base.to(ctx.device)
+        if ft.tokenizer.get_vocab() != ctx.encoder.tokenizer.get_vocab():
+            raise ValueError(f"{path}: tokenizer differs from encoder {ctx.encoder.name}'s")
+        examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
+        batches = make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
+        m, n = attention_cosine(pre, base, batches, ctx.device)
+        maps[ft.task] = m
+        for l in range(m.shape[0]):
+            for h in range(m.shape[1]):
+                rows.append(dict(task=ft.task, layer=l, head=h, name=head_name(l, h), cosine=float(m[l, h]),
+                                 n_examples=n))
+        lo = np.unravel_index(int(np.argmin(m)), m.shape)
+        summary[ft.task] = dict(checkpoint=ft.path, n_examples=n, mean=float(m.mean()),
+                                per_layer=[round(float(x), 4) for x in m.mean(1)],
+                                least_similar=head_name(*lo), least_similar_cosine=float(m[lo]))
+        log.info("finetune_cosine %s: mean %.3f over %d examples", ft.task, m.mean(), n)
+    df = pd.DataFrame(rows)
+    ctx.save_table(df, "finetune_cosine")
+    ctx.save_figure(heatmaps(maps), "finetune_cosine")
+    ctx.log_summary(dict(analysis="finetune_cosine", split=split, encoder=ctx.encoder.name, tasks=summary,
+                         seconds=round(time.time() - t0, 1)))
+    return df

@@ -1,0 +1,44 @@
+"""Per-task GLUE metrics (torchmetrics): CoLA MCC, SST-2/RTE accuracy, MRPC F1 + accuracy, STS-B Pearson/Spearman.
+
+All metrics are fractions (not percentages). Classification metrics take the argmax class
+(label 1 = positive class for F1: MRPC "paraphrase"); STS-B takes the raw regression output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Accuracy, F1Score, MatthewsCorrCoef, MetricCollection, PearsonCorrCoef, SpearmanCorrCoef
+
+from probes.glue.data import task_spec
+
+
+def task_metrics(task: str) -> MetricCollection:
+    """A fresh MetricCollection whose keys are the task's metric names (`TaskSpec.metrics`)."""
+    name = task_spec(task).name
+    if name == "cola":
+        m = {"mcc": MatthewsCorrCoef(task="binary")}
+    elif name in ("sst2", "rte"):
+        m = {"acc": Accuracy(task="binary")}
+    elif name == "mrpc":
+        m = {"f1": F1Score(task="binary"), "acc": Accuracy(task="binary")}
+    elif name == "stsb":
+        m = {"pearson": PearsonCorrCoef(), "spearman": SpearmanCorrCoef()}
+    else:  # pragma: no cover
+        raise ValueError(task)
+    return MetricCollection(m)
+
+
+def predictions(task: str, logits: torch.Tensor) -> torch.Tensor:
+    """Class ids (argmax) or, for the regression task, the scores (`logits[:, 0]`)."""
+    if task_spec(task).num_labels == 1:
+        return logits.reshape(logits.shape[0], -1)[:, 0].float()
+    return logits.argmax(-1)
+
+
+def score(task: str, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Every metric of `task` on one set of model outputs, as floats."""
+    m = task_metrics(task)
+    preds = predictions(task, logits.detach().cpu())
+    labels = labels.detach().cpu()
+    m.update(preds, labels.float() if task_spec(task).num_labels == 1 else labels.long())
+    return {k: float(v) for k, v in m.compute().items()}

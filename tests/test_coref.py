@@ -1,0 +1,303 @@
+"""Coreference readers, segmentation, baselines and the coref_heads analysis (tiny random BERT)."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from probes.analysis import coref as A
+from probes.analysis.context import AnalysisContext
+from probes.data.coref import (CorefDocument, CorefError, CorefSentence, Mention, heuristic_head,
+                               parse_entity_field, read_conll2012, read_gum_coref, read_ontogum)
+from probes.encoders import tiny_bert
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("PROBES_DATA_DIR", REPO.parent / "shared" / "data"))
+
+# doc d1: "John saw his dog ." "He liked the dog ." "It barked ."
+# clusters: 1 = John / his / He; 2 = his dog / the dog / It; 5 = a (made-up) singleton 'saw' that
+# without_singletons() drops. 'his' is a one-word mention nested in 'his dog' (same line).
+CONLLU = """\
+# newdoc id = d1
+# global.Entity = GRP-etype-infstat-salience-centering-minspan-link-identity
+# sent_id = d1-1
+1\tJohn\tJohn\tPROPN\t_\tNumber=Sing\t2\tnsubj\t_\tEntity=(1-person-new-x-x-1-coref)
+2\tsaw\tsee\tVERB\t_\t_\t0\troot\t_\tEntity=(5-event-new-x-x-1-sgl)
+3\this\the\tPRON\t_\tNumber=Sing\t4\tnmod:poss\t_\tEntity=(2-animal-new-x-x-2-coref(1-person-giv-x-x-1-ana)
+4\tdog\tdog\tNOUN\t_\tNumber=Sing\t2\tobj\t_\tEntity=2)
+5\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_
+
+# sent_id = d1-2
+1\tHe\the\tPRON\t_\tNumber=Sing\t2\tnsubj\t_\tEntity=(1-person-giv-x-x-1-ana)
+2\tliked\tlike\tVERB\t_\t_\t0\troot\t_\t_
+3\tthe\tthe\tDET\t_\t_\t4\tdet\t_\tEntity=(2-animal-giv-x-x-2-coref
+4\tdog\tdog\tNOUN\t_\tNumber=Sing\t2\tobj\t_\tEntity=2)
+5\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_
+
+# sent_id = d1-3
+1\tIt\tit\tPRON\t_\tNumber=Sing\t2\tnsubj\t_\tEntity=(2-animal-giv-x-x-1-ana)
+2\tbarked\tbark\tVERB\t_\t_\t0\troot\t_\t_
+3\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_
+
+"""
+
+# multi-line span across a sentence break (cluster 7 opens in sentence 1, closes in sentence 2)
+CONLLU_CROSS = """\
+# newdoc id = d2
+# sent_id = d2-1
+1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\tEntity=(7-object-new-x-x-2-coref
+2\tbox\tbox\tNOUN\t_\t_\t0\troot\t_\t_
+
+# sent_id = d2-2
+1\there\there\tADV\t_\t_\t0\troot\t_\tEntity=7)
+
+"""
+
+CONLL2012 = """\
+#begin document (doc1); part 0
+doc1\t0\t0\tThe\t_\t_\t_\t_\t_\t_\t_\t_\t(0
+doc1\t0\t1\tLord\t_\t_\t_\t_\t_\t_\t_\t_\t
+doc1\t0\t2\tChancellor\t_\t_\t_\t_\t_\t_\t_\t_\t0)
+doc1\t0\t3\tsat\t_\t_\t_\t_\t_\t_\t_\t_\t
+doc1\t0\t4\tin\t_\t_\t_\t_\t_\t_\t_\t_\t
+doc1\t0\t5\tLincoln\t_\t_\t_\t_\t_\t_\t_\t_\t(1|(2)
+doc1\t0\t6\t's\t_\t_\t_\t_\t_\t_\t_\t_\t
+doc1\t0\t7\tInn\t_\t_\t_\t_\t_\t_\t_\t_\t1)
+doc1\t0\t8\t.\t_\t_\t_\t_\t_\t_\t_\t_\t
+
+doc1\t0\t0\tHe\t_\t_\t_\t_\t_\t_\t_\t_\t(0)
+doc1\t0\t1\tleft\t_\t_\t_\t_\t_\t_\t_\t_\t
+doc1\t0\t2\tthe\t_\t_\t_\t_\t_\t_\t_\t_\t(1
+doc1\t0\t3\tinn\t_\t_\t_\t_\t_\t_\t_\t_\t
+doc1\t0\t4\tof\t_\t_\t_\t_\t_\t_\t_\t_\t
+doc1\t0\t5\tLincoln\t_\t_\t_\t_\t_\t_\t_\t_\t(2)1)
+doc1\t0\t6\t.\t_\t_\t_\t_\t_\t_\t_\t_\t
+#end document
+"""
+
+ONTOGUM = """\
+# begin document d1
+0\tJohn\t(1)
+1\tsaw\t_
+2\this\t(2(1)
+3\tdog\t2)
+4\t.\t_
+5\tHe\t(1)
+6\tliked\t_
+7\tthe\t(2
+8\tdog\t2)
+9\t.\t_
+10\tIt\t(2)
+11\tbarked\t_
+12\t.\t_
+# end document
+"""
+
+
+def _spans(doc):
+    w = doc.words
+    return [(m.cluster, " ".join(w[m.start:m.end + 1]), w[m.head], m.mtype) for m in doc.mentions]
+
+
+def test_entity_field_parsing():
+    ev = parse_entity_field("(7-abstract-new-nnnss-cf6-2-coref(3-abstract-giv:act-sssss-cf1-1-coref)")
+    assert [(k, c) for k, c, _ in ev] == [("open", "7"), ("single", "3")]
+    assert ev[0][2][1] == "abstract"
+    assert [(k, c) for k, c, _ in parse_entity_field("7)6)5)4)")] == [("close", c) for c in "7654"]
+    assert [(k, c) for k, c, _ in parse_entity_field("3)(5-x-y)")] == [("close", "3"), ("single", "5")]
+
+
+def test_gum_entity_reader(tmp_path):
+    p = tmp_path / "gum.conllu"
+    p.write_text(CONLLU + CONLLU_CROSS)
+    docs = read_gum_coref(p)
+    assert [d.doc_id for d in docs] == ["d1", "d2"]
+    d1 = docs[0]
+    assert _spans(d1) == [("1", "John", "John", "proper"), ("5", "saw", "saw", "nominal"),
+                          ("1", "his", "his", "pronoun"), ("2", "his dog", "dog", "nominal"),
+                          ("1", "He", "He", "pronoun"), ("2", "the dog", "dog", "nominal"),
+                          ("2", "It", "It", "pronoun")]
+    assert [m.etype for m in d1.mentions][:4] == ["person", "event", "person", "animal"]
+    assert d1.offsets == [0, 5, 10]
+    # singletons go
+    assert "5" not in {m.cluster for m in d1.without_singletons().mentions}
+    assert len(d1.without_singletons().mentions) == 6
+    # a span over two lines and a sentence break; head = the word whose head is outside the span
+    (m,) = docs[1].mentions
+    assert (m.start, m.end, docs[1].words[m.head]) == (0, 2, "box")
+
+
+def test_gum_reader_errors_name_file_and_line(tmp_path):
+    p = tmp_path / "bad.conllu"
+    p.write_text(CONLLU.replace("Entity=(1-person-new-x-x-1-coref)", "Entity=9)"))
+    with pytest.raises(CorefError, match=r"bad\.conllu:4: .*cluster 9"):
+        read_gum_coref(p)
+
+
+def test_conll2012_reader(tmp_path):
+    p = tmp_path / "lit.conll"
+    p.write_text(CONLL2012)
+    (doc,) = read_conll2012(p)
+    assert doc.doc_id == "doc1"
+    assert [len(s.words) for s in doc.sentences] == [9, 7]
+    assert _spans(doc) == [
+        ("0", "The Lord Chancellor", "Chancellor", "proper"), ("1", "Lincoln 's Inn", "Inn", "proper"),
+        ("2", "Lincoln", "Lincoln", "proper"), ("0", "He", "He", "pronoun"),
+        ("1", "the inn of Lincoln", "inn", "nominal"), ("2", "Lincoln", "Lincoln", "proper")]
+    bad = tmp_path / "bad.conll"
+    bad.write_text(CONLL2012.replace("\t0)\n", "\t9)\n"))
+    with pytest.raises(CorefError, match=r"bad\.conll:4: closes cluster 9"):
+        read_conll2012(bad)
+
+
+def test_heuristic_head():
+    w = "the old man with a stick".split()
+    assert w[heuristic_head(w, 0, 5)] == "man"
+    w = "his father 's house".split()
+    assert w[heuristic_head(w, 0, 3)] == "house"
+
+
+def test_ontogum_alignment(tmp_path):
+    ud = tmp_path / "ud.conllu"
+    ud.write_text(CONLLU)
+    og = tmp_path / "og.conll"
+    og.write_text(ONTOGUM)
+    (doc,) = read_ontogum(og, ud)
+    assert [len(s.words) for s in doc.sentences] == [5, 5, 3]  # sentences from UD
+    assert _spans(doc) == [("1", "John", "John", "proper"), ("1", "his", "his", "pronoun"),
+                           ("2", "his dog", "dog", "nominal"), ("1", "He", "He", "pronoun"),
+                           ("2", "the dog", "dog", "nominal"), ("2", "It", "It", "pronoun")]
+    og.write_text(ONTOGUM.replace("12\t.\t_\n", ""))
+    with pytest.raises(CorefError, match="og.conll:1: document d1 has 12 tokens, UD GUM has 13"):
+        read_ontogum(og, ud)
+
+
+def _doc(tmp_path):
+    p = tmp_path / "gum.conllu"
+    p.write_text(CONLLU)
+    return read_gum_coref(p)[0].without_singletons()
+
+
+def test_baselines_on_handmade_document(tmp_path):
+    doc = _doc(tmp_path)
+    seg = A.Segment(0, 0, 3, 0, 13, 20)
+    items = {(it.head, it.mtype): it for it in A.segment_items(doc, seg, 0)}
+    words = doc.words
+    # evaluated mentions: his (ant John), He (ants John, his), the dog (ant his dog), It (ants his dog, the dog)
+    assert sorted(words[h] for h, _ in items) == ["He", "It", "his", "dog"]
+    he = items[(5, "pronoun")]
+    assert he.antecedent_heads == {0, 2}
+    assert words[he.predictions["nearest"]] == "dog"  # 'his dog' is the nearest preceding mention
+    assert he.predictions["head_match"] == 3  # no earlier 'he' -> nearest
+    assert he.predictions["rule_based"] == 2  # pronoun agreement: 'his dog' is animal (not person) -> 'his'
+    the_dog = items[(8, "nominal")]
+    assert the_dog.predictions["head_match"] == 3 and the_dog.predictions["nearest"] == 5
+    it = items[(10, "pronoun")]
+    assert words[it.predictions["nearest"]] == "dog" and it.predictions["nearest"] == 8
+    acc = A.CorefAccumulator(1, 1)
+    acc.add(None, list(items.values()))
+    assert acc.count == {"all": 4, "pronoun": 3, "proper": 0, "nominal": 1}
+    # nearest: his->John ok, He->dog wrong, the dog->He wrong, It->the dog ok
+    assert acc.baseline_accuracy("all", "nearest") == 0.5
+    assert acc.baseline_accuracy("nominal", "head_match") == 1.0
+
+
+def test_synthetic_attention_to_antecedent_scores_100(tmp_path):
+    doc = _doc(tmp_path)
+    seg = A.Segment(0, 0, 3, 0, 13, 20)
+    items = A.segment_items(doc, seg, 0)
+    L, H, W = 2, 3, 13 + 2
+    rng = np.random.default_rng(0)
+    attn = rng.random((L, H, W, W)).astype(np.float32)
+    attn /= attn.sum(-1, keepdims=True)
+    for it in items:  # head (1, 2) attends hard to an antecedent head (+ a lot to itself and [SEP])
+        row = np.zeros(W, dtype=np.float32)
+        row[1 + min(it.antecedent_heads)] = 0.3
+        row[1 + it.head] = 0.4
+        row[W - 1] = 0.3
+        attn[1, 2, 1 + it.head] = row
+    acc = A.CorefAccumulator(L, H)
+    acc.add(attn, items)
+    heads, table = A.tables(acc)
+    assert acc.head_accuracy("all")[1, 2] == 1.0
+    best = table[table.method == "best_head"].iloc[0]
+    assert (best.layer, best["head"], best["name"], best["all"]) == (1, 2, "2-3", 1.0)
+    assert set(heads.columns) == {"layer", "head", "mention_type", "accuracy", "count"}
+
+
+def test_segmentation_never_splits_and_respects_limit():
+    enc = tiny_bert()
+    rng = np.random.default_rng(0)
+    vocab = "the cat unbelievably saw antidisestablishmentarianism a dog , . ran quickly".split()
+    sents = [CorefSentence(tuple(rng.choice(vocab, size=int(rng.integers(1, 25))))) for _ in range(60)]
+    doc = CorefDocument("d", sents, [])
+    (pieces,) = A.sentence_pieces(enc.tokenizer, [doc])
+    max_len = 64
+    segs, too_long = A.segment_document(pieces, max_len, 0, [len(s.words) for s in sents])
+    covered = [i for g in segs for i in range(g.first_sentence, g.last_sentence)]
+    assert sorted(covered + too_long) == list(range(len(sents)))  # every sentence once, whole
+    from probes.extract.wordpiece import encode_sentences
+    for g in segs:
+        words = [w for s in sents[g.first_sentence:g.last_sentence] for w in s.words]
+        n = encode_sentences(enc.tokenizer, [words])[0].n_pieces
+        assert n == g.n_pieces <= max_len
+        assert g.word_end - g.word_start == len(words)
+    for i in too_long:
+        assert pieces[i] + 2 > max_len
+    # greedy: a segment could not have taken the next sentence
+    for a, b in zip(segs, segs[1:]):
+        if b.first_sentence == a.last_sentence:
+            assert a.n_pieces + pieces[b.first_sentence] > max_len
+    segs, too_long = A.segment_document([10, 70, 10], 64)
+    assert too_long == [1] and [(g.first_sentence, g.last_sentence) for g in segs] == [(0, 1), (2, 3)]
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="analyze", overrides=overrides)
+
+
+def test_coref_heads_end_to_end_tiny(tmp_path):
+    data = tmp_path / "data" / "ud_english_gum"
+    data.mkdir(parents=True)
+    (data / "en_gum-ud-dev.conllu").write_text(CONLLU + CONLLU_CROSS)
+    cfg = _compose(["analysis=coref_heads", "encoder=tiny", "data=gum", f"paths.data_dir={tmp_path / 'data'}",
+                    f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false",
+                    "data.treebank.download=false", "data.treebank.sha256=null", "extract.precision=32-true",
+                    "extract.trainer.accelerator=cpu", "analysis.max_length=16"])
+    from hydra.utils import instantiate
+    ctx = AnalysisContext(cfg, tmp_path / "out", use_wandb=False)
+    table = instantiate(cfg.analysis)(ctx)
+    assert list(table.method) == ["best_head", "best_head_pronoun", "best_head_proper", "best_head_nominal",
+                                  "nearest", "head_match", "rule_based"]
+    heads = pd.read_csv(tmp_path / "out" / "coref_heads.csv")
+    assert len(heads) == 2 * 4 * 4 and heads.accuracy.between(0, 1).all()
+    # with 16 wordpieces each sentence is its own segment, so only 'his' (antecedent John) is evaluated
+    assert heads["count"].max() == 1
+    for f in ("coref_table.csv", "coref_mentions.csv", "coref_heads.png", "summary.json"):
+        assert (tmp_path / "out" / f).is_file()
+
+
+@pytest.mark.slow
+def test_real_gum_dev_reader():
+    p = SHARED / "ud_english_gum" / "en_gum-ud-dev.conllu"
+    if not p.is_file():
+        pytest.skip("shared GUM data not found")
+    docs = read_gum_coref(p)
+    assert len(docs) == 30
+    assert sum(len(d.mentions) for d in docs) == 7897
+
+
+@pytest.mark.slow
+def test_real_ontogum_and_litbank_readers():
+    og = SHARED / "gum_coref_ontogum" / "ontogum_dev.conll"
+    if not og.is_file():
+        pytest.skip("shared OntoGUM data not found")
+    docs = read_ontogum(og, SHARED / "ud_english_gum" / "en_gum-ud-dev.conllu")
+    assert len(docs) == 30 and sum(len(d.mentions) for d in docs) == 3818  # SOURCES.md: 3,818 openings
+    from probes.data.coref import read_litbank
+    lit = read_litbank(SHARED / "litbank_coref" / "conll", max_files=5)
+    assert len(lit) == 5 and all(d.mentions for d in lit)

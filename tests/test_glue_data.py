@@ -1,0 +1,124 @@
+"""GLUE readers (real shared files, counts from shared/data/SOURCES.md §6) and per-task metrics."""
+
+import math
+
+import pytest
+import torch
+
+from probes.glue.data import GlueFormatError, read_glue, task_spec
+from probes.glue.metrics import score, task_metrics
+from tests.conftest import shared_data_dir
+
+
+@pytest.fixture
+def glue_dir():
+    d = shared_data_dir()
+    if not (d / "glue").is_dir():
+        pytest.skip(f"GLUE data not found at {d / 'glue'}")
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task,split,n,positives", [
+    ("cola", "train", 8551, 6023), ("cola", "dev", 527 + 516, None), ("cola", "in_domain_dev", 527, None),
+    ("cola", "out_of_domain_dev", 516, None), ("sst2", "train", 67349, 37569), ("sst2", "dev", 872, 444),
+    ("mrpc", "train", 3668, 2474), ("mrpc", "dev", 408, 279), ("rte", "train", 2490, 1241),
+    ("rte", "dev", 277, 131), ("stsb", "train", 5749, None), ("stsb", "dev", 1500, None),
+])
+def test_read_glue_counts(glue_dir, task, split, n, positives):
+    ex = read_glue(task, split, glue_dir)
+    assert len(ex) == n
+    if positives is not None:  # label 1 (RTE: 1 = not_entailment, Hugging Face convention)
+        assert sum(e.label == 1 for e in ex) == positives
+    assert all(e.text_a for e in ex)
+    assert all((e.text_b is not None) == task_spec(task).pair for e in ex)
+
+
+@pytest.mark.slow
+def test_read_glue_quirks(glue_dir):
+    mrpc = read_glue("mrpc", "train", glue_dir)          # BOM header, quotes kept verbatim
+    assert mrpc[0].label == 1 and mrpc[0].text_a.startswith("Amrozi accused") and '"the witness"' in mrpc[0].text_a
+    cola = read_glue("cola", "train", glue_dir)          # no header: the first line is an example
+    assert cola[0].text_a == "Our friends won't buy this analysis, let alone the next one we propose."
+    assert [e.idx for e in cola[:3]] == [0, 1, 2]
+    rte = read_glue("rte", "dev", glue_dir)              # string labels
+    assert rte[0].label == 1 and rte[0].idx == 0 and rte[1].label == 0
+    stsb = read_glue("stsb", "dev", glue_dir)            # float scores
+    assert stsb[0].label == 5.0 and stsb[1].label == 4.75 and isinstance(stsb[1].label, float)
+    assert all(0.0 <= e.label <= 5.0 for e in stsb)
+
+
+def test_read_glue_errors_name_file_and_line(tmp_path):
+    d = tmp_path / "glue" / "RTE"
+    d.mkdir(parents=True)
+    (d / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\tmaybe\n")
+    with pytest.raises(GlueFormatError, match=r"RTE/dev.tsv:3: .*'maybe'"):
+        read_glue("rte", "dev", tmp_path)
+    (d / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tentailment\n")
+    with pytest.raises(GlueFormatError, match=r"RTE/dev.tsv:2: expected 4 .* found 3"):
+        read_glue("rte", "dev", tmp_path)
+    with pytest.raises(FileNotFoundError, match="RTE/train.tsv"):
+        read_glue("rte", "train", tmp_path)
+    with pytest.raises(ValueError, match="private"):
+        read_glue("rte", "test", tmp_path)
+    s = tmp_path / "glue" / "STS-B"
+    s.mkdir()
+    header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+    (s / "dev.tsv").write_text(header + "0\tg\tf\ty\t0\tn\tn\ta\tb\tfive\n")
+    with pytest.raises(GlueFormatError, match=r"STS-B/dev.tsv:2: .*five"):
+        read_glue("stsb", "dev", tmp_path)
+
+
+def test_mrpc_bom_and_cola_no_header(tmp_path):
+    m = tmp_path / "glue" / "MRPC"
+    m.mkdir(parents=True)
+    (m / "dev.tsv").write_bytes("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n0\t1\t2\t\"a\tb\n".encode())
+    assert read_glue("mrpc", "dev", tmp_path)[0].text_a == '"a'
+    c = tmp_path / "glue" / "CoLA"
+    c.mkdir()
+    (c / "in_domain_dev.tsv").write_text("x\t1\t\tA b.\ny\t0\t*\tB a.\n")
+    (c / "out_of_domain_dev.tsv").write_text("z\t1\t\tC.\n")
+    ex = read_glue("cola", "dev", tmp_path)
+    assert [(e.text_a, e.label, e.idx) for e in ex] == [("A b.", 1, 0), ("B a.", 0, 1), ("C.", 1, 2)]
+
+
+# ---------------------------------------------------------------- metrics on hand-made cases
+
+def _logits(preds):  # class ids -> 2-class logits whose argmax is the class
+    return torch.nn.functional.one_hot(torch.tensor(preds), 2).float()
+
+
+def test_mcc_known_confusion_matrix():
+    # TP=3, TN=4, FP=1, FN=2: MCC = (3*4 - 1*2) / sqrt(4 * 5 * 5 * 6)
+    labels = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
+    preds = [1, 1, 1, 0, 0, 0, 0, 0, 0, 1]
+    want = (3 * 4 - 1 * 2) / math.sqrt((3 + 1) * (3 + 2) * (4 + 1) * (4 + 2))
+    got = score("cola", _logits(preds), torch.tensor(labels))
+    assert got.keys() == {"mcc"} and got["mcc"] == pytest.approx(want, abs=1e-6)
+
+
+def test_accuracy_and_f1():
+    labels = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
+    preds = [1, 1, 1, 0, 0, 0, 0, 0, 0, 1]
+    p, r = 3 / 4, 3 / 5
+    got = score("mrpc", _logits(preds), torch.tensor(labels))
+    assert got["acc"] == pytest.approx(0.7) and got["f1"] == pytest.approx(2 * p * r / (p + r))
+    assert score("rte", _logits(preds), torch.tensor(labels)) == {"acc": pytest.approx(0.7)}
+    assert score("sst2", _logits(labels), torch.tensor(labels)) == {"acc": 1.0}
+
+
+def test_pearson_spearman():
+    y = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
+    pred = torch.tensor([0.0, 1.0, 4.0, 9.0, 16.0])        # monotone, not linear
+    got = score("stsb", pred[:, None], y)
+    x, z = y.numpy(), pred.numpy()
+    xc, zc = x - x.mean(), z - z.mean()
+    pearson = float((xc * zc).sum() / math.sqrt((xc ** 2).sum() * (zc ** 2).sum()))
+    assert got["spearman"] == pytest.approx(1.0) and got["pearson"] == pytest.approx(pearson, abs=1e-6)
+    assert score("stsb", -pred[:, None], y)["spearman"] == pytest.approx(-1.0)
+
+
+def test_metric_names_match_task_specs():
+    for t in ("cola", "sst2", "mrpc", "stsb", "rte"):
+        spec = task_spec(t)
+        assert set(task_metrics(t).keys()) == set(spec.metrics) and spec.main_metric in spec.metrics
