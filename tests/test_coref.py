@@ -26,19 +26,19 @@ CONLLU = """\
 # sent_id = d1-1
 1\tJohn\tJohn\tPROPN\t_\tNumber=Sing\t2\tnsubj\t_\tEntity=(1-person-new-x-x-1-coref)
 2\tsaw\tsee\tVERB\t_\t_\t0\troot\t_\tEntity=(5-event-new-x-x-1-sgl)
-3\this\the\tPRON\t_\tNumber=Sing\t4\tnmod:poss\t_\tEntity=(2-animal-new-x-x-2-coref(1-person-giv-x-x-1-ana)
+3\this\the\tPRON\t_\tNumber=Sing\t4\tnmod:poss\t_\tEntity=(2-object-new-x-x-2-coref(1-person-giv-x-x-1-ana)
 4\tdog\tdog\tNOUN\t_\tNumber=Sing\t2\tobj\t_\tEntity=2)
 5\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_
 
 # sent_id = d1-2
 1\tHe\the\tPRON\t_\tNumber=Sing\t2\tnsubj\t_\tEntity=(1-person-giv-x-x-1-ana)
 2\tliked\tlike\tVERB\t_\t_\t0\troot\t_\t_
-3\tthe\tthe\tDET\t_\t_\t4\tdet\t_\tEntity=(2-animal-giv-x-x-2-coref
+3\tthe\tthe\tDET\t_\t_\t4\tdet\t_\tEntity=(2-object-giv-x-x-2-coref
 4\tdog\tdog\tNOUN\t_\tNumber=Sing\t2\tobj\t_\tEntity=2)
 5\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_
 
 # sent_id = d1-3
-1\tIt\tit\tPRON\t_\tNumber=Sing\t2\tnsubj\t_\tEntity=(2-animal-giv-x-x-1-ana)
+1\tIt\tit\tPRON\t_\tNumber=Sing\t2\tnsubj\t_\tEntity=(2-object-giv-x-x-1-ana)
 2\tbarked\tbark\tVERB\t_\t_\t0\troot\t_\t_
 3\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_
 
@@ -120,7 +120,7 @@ def test_gum_entity_reader(tmp_path):
                           ("1", "his", "his", "pronoun"), ("2", "his dog", "dog", "nominal"),
                           ("1", "He", "He", "pronoun"), ("2", "the dog", "dog", "nominal"),
                           ("2", "It", "It", "pronoun")]
-    assert [m.etype for m in d1.mentions][:4] == ["person", "event", "person", "animal"]
+    assert [m.etype for m in d1.mentions][:4] == ["person", "event", "person", "object"]
     assert d1.offsets == [0, 5, 10]
     # singletons go
     assert "5" not in {m.cluster for m in d1.without_singletons().mentions}
@@ -144,8 +144,8 @@ def test_conll2012_reader(tmp_path):
     assert doc.doc_id == "doc1"
     assert [len(s.words) for s in doc.sentences] == [9, 7]
     assert _spans(doc) == [
-        ("0", "The Lord Chancellor", "Chancellor", "proper"), ("1", "Lincoln 's Inn", "Inn", "proper"),
-        ("2", "Lincoln", "Lincoln", "proper"), ("0", "He", "He", "pronoun"),
+        ("0", "The Lord Chancellor", "Chancellor", "proper"), ("2", "Lincoln", "Lincoln", "proper"),
+        ("1", "Lincoln 's Inn", "Inn", "proper"), ("0", "He", "He", "pronoun"),
         ("1", "the inn of Lincoln", "inn", "nominal"), ("2", "Lincoln", "Lincoln", "proper")]
     bad = tmp_path / "bad.conll"
     bad.write_text(CONLL2012.replace("\t0)\n", "\t9)\n"))
@@ -187,12 +187,12 @@ def test_baselines_on_handmade_document(tmp_path):
     items = {(it.head, it.mtype): it for it in A.segment_items(doc, seg, 0)}
     words = doc.words
     # evaluated mentions: his (ant John), He (ants John, his), the dog (ant his dog), It (ants his dog, the dog)
-    assert sorted(words[h] for h, _ in items) == ["He", "It", "his", "dog"]
+    assert sorted(words[h] for h, _ in items) == ["He", "It", "dog", "his"]
     he = items[(5, "pronoun")]
     assert he.antecedent_heads == {0, 2}
     assert words[he.predictions["nearest"]] == "dog"  # 'his dog' is the nearest preceding mention
     assert he.predictions["head_match"] == 3  # no earlier 'he' -> nearest
-    assert he.predictions["rule_based"] == 2  # pronoun agreement: 'his dog' is animal (not person) -> 'his'
+    assert he.predictions["rule_based"] == 2  # pronoun agreement: "his dog" is typed object (inanimate) -> 'his'
     the_dog = items[(8, "nominal")]
     assert the_dog.predictions["head_match"] == 3 and the_dog.predictions["nearest"] == 5
     it = items[(10, "pronoun")]
@@ -267,7 +267,7 @@ def test_coref_heads_end_to_end_tiny(tmp_path):
     cfg = _compose(["analysis=coref_heads", "encoder=tiny", "data=gum", f"paths.data_dir={tmp_path / 'data'}",
                     f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false",
                     "data.treebank.download=false", "data.treebank.sha256=null", "extract.precision=32-true",
-                    "extract.trainer.accelerator=cpu", "analysis.max_length=16"])
+                    "extract.trainer.accelerator=cpu", "analysis.max_length=8"])
     from hydra.utils import instantiate
     ctx = AnalysisContext(cfg, tmp_path / "out", use_wandb=False)
     table = instantiate(cfg.analysis)(ctx)
@@ -275,7 +275,7 @@ def test_coref_heads_end_to_end_tiny(tmp_path):
                                   "nearest", "head_match", "rule_based"]
     heads = pd.read_csv(tmp_path / "out" / "coref_heads.csv")
     assert len(heads) == 2 * 4 * 4 and heads.accuracy.between(0, 1).all()
-    # with 16 wordpieces each sentence is its own segment, so only 'his' (antecedent John) is evaluated
+    # with 8 wordpieces each sentence is its own segment, so only 'his' (antecedent John) is evaluated
     assert heads["count"].max() == 1
     for f in ("coref_table.csv", "coref_mentions.csv", "coref_heads.png", "summary.json"):
         assert (tmp_path / "out" / f).is_file()

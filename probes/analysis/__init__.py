@@ -1,4 +1,4 @@
-"""Attention analyses of Clark et al. 2019, "What Does BERT Look At?" (sections 3-5).
+"""Attention analyses: Clark et al. 2019 (sections 3-5), Kovaleva et al. 2019, Westera 2019, Pascual et al. 2021.
 
 Run with ``python -m probes.analyze analysis=<name>``; one module per analysis:
 
@@ -7,6 +7,10 @@ Run with ``python -m probes.analyze analysis=<name>``; one module per analysis:
   (Clark §4.1, Table 1), word level from the attention cache.
 * :mod:`probes.analysis.clustering` - Jensen-Shannon distances between heads and their 2-D MDS
   embedding (Clark §5, Fig 6), wordpiece level.
+* :mod:`probes.analysis.coref` - antecedent selection per head vs nearest / head-match / rule-based
+  baselines (Clark §4.2, Table 2), word level from a cache of document segments.
+* :mod:`probes.analysis.gradients` - gradient of a configured loss w.r.t. attention to [SEP] vs
+  punctuation vs other tokens, per layer (Clark §3, Fig 3).
 
 Conventions: every file (CSV, JSON) uses **0-based** ``layer`` and ``head`` columns; figures and
 the ``name`` columns use the paper's **1-based** ``layer-head`` names (``8-10`` is layer index 7,

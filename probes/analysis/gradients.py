@@ -97,11 +97,12 @@ def load_masked_lm(encoder_cfg) -> tuple[torch.nn.Module, Any, str]:
     base = getattr(model, "base_model_prefix", "bert")
     new = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(base + "."))
     if new:
+        note = (" The packaged all-MiniLM-L6-v2 is a sentence-embedding model without one."
+                if "minilm" in src.lower() else "")
         raise MissingMLMHeadError(
             f"checkpoint {src} has no masked-LM head: loading it with AutoModelForMaskedLM newly initialises "
             f"{len(new)} weights ({', '.join(new[:4])}{', ...' if len(new) > 4 else ''}), so the MLM loss would "
-            f"come from a random head. The packaged all-MiniLM-L6-v2 is a sentence-embedding model without one. "
-            f"Alternatives: an encoder whose checkpoint has its MLM head (encoder=bert_base_uncased / "
+            f"come from a random head.{note} Alternatives: an encoder whose checkpoint has its MLM head (encoder=bert_base_uncased / "
             f"bert_base_cased, or encoder.name_or_path=<BertForMaskedLM folder>), a random-weight model "
             f"(encoder=minilm_random or encoder=tiny: random MLM head like the rest), or "
             f"analysis.objective=classification with analysis.objectives.classification.model_path=<fine-tuned "

@@ -27,3 +27,36 @@ class HFExport(pl.Callback):
             state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
             log.info("exporting the best checkpoint %s", ckpt)
         pl_module.export_hf(self.dirpath, state_dict=state)
+
+
+class ProgressLog(pl.Callback):
+    """Plain log lines (`<run dir>/train.log`) every `every_n_steps` training steps and after each
+    validation: step/total, epoch, loss, elapsed and estimated remaining time. The progress bar
+    stays on; this is for runs whose output goes to a file."""
+
+    def __init__(self, every_n_steps: int = 20):
+        self.every = max(1, int(every_n_steps))
+        self.t0 = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import time
+
+        self.t0 = time.time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        step = trainer.global_step
+        if step % self.every or self.t0 is None:
+            return
+        total = int(trainer.estimated_stepping_batches)
+        el = time.time() - self.t0
+        loss = trainer.callback_metrics.get("train/loss_step")
+        log.info("step %d/%d (epoch %d) loss %s, %.0fs elapsed, ~%.0fs left", step, total, trainer.current_epoch,
+                 f"{float(loss):.4f}" if loss is not None else "-", el, el / max(step, 1) * (total - step))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        vals = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        log.info("epoch %d validation: %s", trainer.current_epoch, vals)

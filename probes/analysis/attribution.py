@@ -1,0 +1,184 @@
+"""``analysis=attribution``: do head outputs depend on the tokens the head attends to? (Pascual et al. 2021)
+
+Wordpiece level, live encoder, each sentence alone as ``[CLS] s [SEP]``. For every layer ``l``, head
+``h`` and position ``i``, the head's output is its context-vector slice ``c_{l,h,i}`` (the
+``encoder.layer[l].attention.self`` output before the output projection), reduced to the scalar
+``sum_k c_{l,h,i}[k]``; its attribution to every input token ``j`` is taken on the **word-embedding
+vectors** (output of ``embeddings.word_embeddings``) by
+
+* ``ixg`` - gradient x input;
+* ``ig``  - integrated gradients, baseline ``zero`` (all word embeddings 0; position/type embeddings
+  kept) or ``pad`` ([PAD]'s embedding except at [CLS]/[SEP]), ``ig_steps`` Riemann-midpoint points.
+
+Both are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
+:mod:`probes.analysis.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
+(method="riemann_middle")`` on the same input (checked on ``captum_check`` random targets per run and
+in the tests; captum itself would need one call per target).
+
+Distribution over input tokens: ``|attribution|`` summed over the embedding dimension, normalised
+to sum 1. It is compared with the same head's attention row ``A[l, h, i, :]``:
+
+* Jensen-Shannon divergence (base 2, in [0, 1]); Spearman rank correlation over the T tokens;
+  top-1 agreement (same argmax). Means over positions and sentences, per (method, layer, head) and
+  per (method, layer).
+* Patterns: the share of positions whose argmax is ``cls`` / ``sep`` / ``self`` / ``prev`` / ``next``
+  / ``other`` (precedence in that order), per layer, for the attention and for each attribution.
+
+Sentences: the ``max_sentences`` shortest (in wordpieces; ties in file order) with at least
+``min_words`` words - the cost grows with T^2 (T targets per head, each a backward over T tokens).
+
+Outputs: ``attribution_heads.csv`` (method, layer, head, js, spearman, top1, n), ``attribution_layers.csv``
+(method, layer, means), ``attribution_patterns.csv`` (source, layer, pattern, share),
+``attribution_layers.png``, ``attribution_patterns.png``, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from probes.analysis.gradflow import (PATTERNS, argmax_patterns, attribution_distribution, captum_head_attribution,
+                                      head_attributions, hidden_and_attention, ig_baseline, js_divergence,
+                                      spearman_rows, top1_agreement)
+from probes.extract.wordpiece import encode_sentences
+
+log = logging.getLogger(__name__)
+
+
+def compare(dist: np.ndarray, attn: np.ndarray) -> dict[str, np.ndarray]:
+    """Per (l, h, i) JS divergence, Spearman and top-1 agreement of ``dist`` vs ``attn`` (both (L, H, T, T))."""
+    return dict(js=js_divergence(dist, attn), spearman=spearman_rows(dist, attn), top1=top1_agreement(dist, attn))
+
+
+def pattern_counts(dist: np.ndarray) -> np.ndarray:
+    """(L, len(PATTERNS)) counts of argmax patterns over heads and positions."""
+    pat = argmax_patterns(dist)  # (L, H, T)
+    return np.stack([np.bincount(p.ravel(), minlength=len(PATTERNS)) for p in pat])
+
+
+def figure_layers(layers: pd.DataFrame):
+    import matplotlib.pyplot as plt
+    from probes.analysis import plots  # noqa: F401
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
+    for ax, col, lab in zip(axes, ("js", "spearman", "top1"), ("JS divergence", "Spearman rho", "top-1 agreement")):
+        for m, g in layers.groupby("method"):
+            ax.plot(g.layer + 1, g[col], marker="o", label=m)
+        ax.set_xlabel("layer")
+        ax.set_title(f"{lab}: attribution vs attention", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def figure_patterns(pat: pd.DataFrame):
+    import matplotlib.pyplot as plt
+    from probes.analysis import plots  # noqa: F401
+
+    sources = list(dict.fromkeys(pat.source))
+    fig, axes = plt.subplots(1, len(sources), figsize=(3.6 * len(sources), 3.3), sharey=True)
+    axes = np.atleast_1d(axes)
+    for ax, src in zip(axes, sources):
+        p = pat[pat.source == src].pivot(index="layer", columns="pattern", values="share")[list(PATTERNS)]
+        bottom = np.zeros(len(p))
+        for name in PATTERNS:
+            ax.bar(p.index + 1, p[name], bottom=bottom, label=name)
+            bottom += p[name].to_numpy()
+        ax.set_title(f"argmax of {src}", fontsize=9)
+        ax.set_xlabel("layer")
+    axes[0].set_ylabel("share of positions")
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
+def attribution(ctx, *, split: str = "dev", max_sentences: int = 50, min_words: int = 5,
+                methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero", chunk_size: int | None = 256,
+                captum_check: int = 2, num_threads: int | None = None, seed: int = 0) -> pd.DataFrame:
+    """Attribution vs attention for every head; save the tables and figures; return the per-layer table."""
+    t0 = time.time()
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    enc = ctx.encoder
+    sents = ctx.sentences(split)
+    encoded = encode_sentences(enc.tokenizer, [list(s.words) for s in sents])
+    order = sorted((i for i, s in enumerate(sents) if s.n >= min_words and encoded[i].n_pieces <= enc.max_length),
+                   key=lambda i: (encoded[i].n_pieces, i))[:max_sentences]
+    model = enc.model.to(ctx.device)
+    L, H = enc.num_layers, enc.num_heads
+    methods = list(methods)
+    sums = {m: {k: np.zeros((L, H)) for k in ("js", "spearman", "top1", "n", "n_rho")} for m in methods}
+    pats = {src: np.zeros((L, len(PATTERNS))) for src in ["attention", *methods]}
+    rng = random.Random(seed)
+    checks = []
+    for k, i in enumerate(tqdm(order, desc="attribution", unit="sent", disable=None)):
+        ids = torch.tensor(encoded[i].input_ids, device=ctx.device)
+        _, attn = hidden_and_attention(model, ids)
+        attn = attn.cpu().numpy()  # (L, H, T, T)
+        pats["attention"] += pattern_counts(attn)
+        base = ig_baseline(model, ids, baseline, enc.tokenizer.pad_token_id or 0)
+        for m in methods:
+            dist = head_attributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()
+            c = compare(dist, attn)
+            s = sums[m]
+            s["js"] += c["js"].sum(-1)
+            s["top1"] += c["top1"].sum(-1)
+            s["spearman"] += np.nansum(c["spearman"], -1)
+            s["n_rho"] += np.isfinite(c["spearman"]).sum(-1)
+            s["n"] += c["js"].shape[-1]
+            pats[m] += pattern_counts(dist)
+            if k < captum_check:  # one random target per method and sentence vs captum
+                l, h, p = rng.randrange(L), rng.randrange(H), rng.randrange(len(ids))
+                ref = attribution_distribution(captum_head_attribution(model, ids, l, h, p, m, ig_steps, base))
+                checks.append(dict(method=m, sentence=i, layer=l, head=h, pos=p,
+                                   max_abs_diff=float(np.abs(ref.cpu().numpy() - dist[l, h, p]).max())))
+    rows = []
+    for m in methods:
+        s = sums[m]
+        for l in range(L):
+            for h in range(H):
+                rows.append(dict(method=m, layer=l, head=h, js=s["js"][l, h] / s["n"][l, h],
+                                 spearman=s["spearman"][l, h] / max(s["n_rho"][l, h], 1),
+                                 top1=s["top1"][l, h] / s["n"][l, h], n=int(s["n"][l, h])))
+    heads = pd.DataFrame(rows)
+    layers = pd.DataFrame([dict(method=m, layer=l, js=sums[m]["js"][l].sum() / sums[m]["n"][l].sum(),
+                                spearman=sums[m]["spearman"][l].sum() / max(sums[m]["n_rho"][l].sum(), 1),
+                                top1=sums[m]["top1"][l].sum() / sums[m]["n"][l].sum(), n=int(sums[m]["n"][l].sum()))
+                           for m in methods for l in range(L)])
+    prow = []
+    for src, cnt in pats.items():
+        for l in range(L):
+            tot = cnt[l].sum()
+            for j, name in enumerate(PATTERNS):
+                prow.append(dict(source=src, layer=l, pattern=name, share=cnt[l, j] / tot if tot else np.nan,
+                                 count=int(cnt[l, j])))
+    pat = pd.DataFrame(prow)
+    ctx.save_table(heads, "attribution_heads")
+    ctx.save_table(layers, "attribution_layers")
+    ctx.save_table(pat, "attribution_patterns")
+    if checks:
+        ctx.save_table(pd.DataFrame(checks), "attribution_captum_check")
+    ctx.save_figure(figure_layers(layers), "attribution_layers")
+    ctx.save_figure(figure_patterns(pat), "attribution_patterns")
+    trend = {}
+    for m, g in layers.groupby("method"):
+        trend[m] = {c: float(np.corrcoef(g.layer, g[c])[0, 1]) for c in ("js", "spearman", "top1")}
+    ctx.log_summary(dict(
+        analysis="attribution", split=split, encoder=enc.name, device=ctx.device, n_sentences=len(order),
+        mean_pieces=float(np.mean([encoded[i].n_pieces for i in order])) if order else None,
+        methods=methods, ig_steps=ig_steps, baseline=baseline, seconds=round(time.time() - t0, 1),
+        per_layer={m: {c: [round(float(v), 4) for v in g[c]] for c in ("js", "spearman", "top1")}
+                   for m, g in layers.groupby("method")},
+        depth_trend_pearson_r=trend,
+        patterns={src: {name: [round(float(v), 3) for v in pat[(pat.source == src) & (pat.pattern == name)].share]
+                        for name in PATTERNS} for src in pats},
+        captum_max_abs_diff=max((c["max_abs_diff"] for c in checks), default=None)))
+    log.info("attribution: %d sentences in %.1fs", len(order), time.time() - t0)
+    return layers

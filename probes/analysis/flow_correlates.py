@@ -1,0 +1,194 @@
+"""``analysis=flow_correlates``: what the flow measures pick up (Westera 2019), on GUM (``data=gum``).
+
+Flow per sentence and layer as :mod:`probes.analysis.flow` (word level; ``G``, ``Gstar`` = G*, ``A``;
+``measure[layer, t2, t1]`` = flow from input word t1 to output word t2), on a seeded random subset of
+``n_sentences`` sentences of ``split`` (paper: 500). Real words only ([CLS]/[SEP] and t1 == t2 left out).
+
+Two contrasts, each per layer and per measure, with token distance controlled for by **OLS**
+(pure numpy/scipy, :func:`probes.analysis.gradflow.ols`; statsmodels is not installed/needed):
+
+* ``open_class``: all pairs (t1, t2); indicator = t1's gold UPOS is open-class (``open_upos``, default
+  NOUN VERB ADJ ADV PROPN) vs closed-class (``closed_upos``, default the UD closed classes ADP AUX
+  CCONJ DET NUM PART PRON SCONJ; other tags - PUNCT, SYM, X, INTJ - are left out);
+* ``coref``: pairs t1 = noun (``noun_upos``: NOUN, PROPN), t2 = pronoun (PRON) of the same sentence;
+  indicator = coreferent, i.e. t1 and t2 are head words of mentions of one and the same GUM entity
+  (MISC ``Entity=`` read by :func:`probes.data.coref.read_gum_coref`, document-level clusters,
+  singletons included as non-coreferent material; heads = tree heads of the mention spans).
+
+Model per (contrast, measure, layer, transform): ``y ~ 1 + indicator + log(distance) + log(n_words)
++ t1_before_t2``, ``y`` = the measure (``raw``) or its natural log (``log``). Reported: coefficient of
+the indicator, classical SE/t/p (Student t) and cluster-robust (CR1, by sentence) SE/z/p (pairs of a
+sentence are not independent), the coefficient in SDs of y (``coef_std``), n pairs, n positives, and
+the raw group means.
+
+Outputs: ``flow_correlates.csv`` (one row per contrast x measure x layer x transform x term),
+``flow_correlates_effects.csv`` (the indicator rows only + group means), ``flow_correlates.png``
+(per-layer z of the indicator, cluster-robust), ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import defaultdict
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probes.analysis.flow import sentence_flow
+from probes.analysis.gradflow import ols
+
+log = logging.getLogger(__name__)
+
+OPEN_UPOS = ("NOUN", "VERB", "ADJ", "ADV", "PROPN")
+CLOSED_UPOS = ("ADP", "AUX", "CCONJ", "DET", "NUM", "PART", "PRON", "SCONJ")
+CONTROLS = ("log_distance", "log_n_words", "t1_before_t2")
+
+
+def head_clusters(sentences, path) -> list[list[set[str]]]:
+    """Per sentence of ``sentences`` (a whole split, file order), per word: the entity clusters of the
+    mentions whose head is that word (empty set: heads no mention)."""
+    from probes.data.coref import read_gum_coref
+
+    docs = read_gum_coref(path, sentences)
+    out: list[list[set[str]]] = []
+    for d in docs:
+        heads = defaultdict(set)
+        for m in d.mentions:
+            heads[m.head].add(m.cluster)
+        for off, s in zip(d.offsets, d.sentences):
+            out.append([set(heads.get(off + j, ())) for j in range(len(s.words))])
+    if len(out) != len(sentences) or any(len(c) != s.n for c, s in zip(out, sentences)):
+        raise ValueError("coreference documents do not line up with the treebank sentences")
+    return out
+
+
+def pair_table(sid: int, upos, clusters, flow: dict[str, torch.Tensor], open_upos, closed_upos, noun_upos,
+               pron_upos) -> pd.DataFrame:
+    """Rows for every (layer, t2, t1) real-word pair, t1 != t2, with both contrasts' indicators."""
+    L, W, _ = flow["A"].shape
+    n = W - 2
+    lay, t2, t1 = np.meshgrid(np.arange(L), np.arange(n), np.arange(n), indexing="ij")
+    keep = (t1 != t2).ravel()
+    lay, t2, t1 = lay.ravel()[keep], t2.ravel()[keep], t1.ravel()[keep]
+    df = pd.DataFrame(dict(sentence=sid, layer=lay, t2=t2, t1=t1))
+    up = np.asarray(upos, dtype=object)
+    df["upos1"], df["upos2"] = up[t1], up[t2]
+    df["distance"] = np.abs(t2 - t1)
+    df["log_distance"] = np.log(df.distance)
+    df["log_n_words"] = np.log(n)
+    df["t1_before_t2"] = (t1 < t2).astype(float)
+    df["open1"] = np.where(np.isin(up[t1], list(open_upos)), 1.0, np.where(np.isin(up[t1], list(closed_upos)), 0.0,
+                                                                           np.nan))
+    noun_pron = np.isin(up[t1], list(noun_upos)) & np.isin(up[t2], list(pron_upos))
+    coref = np.array([bool(clusters[a] & clusters[b]) for a, b in zip(t1, t2)])
+    df["noun_pron"] = noun_pron
+    df["coreferent"] = np.where(noun_pron, coref.astype(float), np.nan)
+    for m in ("G", "Gstar", "A"):
+        if m in flow:
+            df[m] = flow[m].numpy()[lay, t2 + 1, t1 + 1]
+    return df
+
+
+CONTRASTS = {"open_class": "open1", "coref": "coreferent"}
+
+
+def regressions(df: pd.DataFrame, measures=("G", "Gstar", "A"), transforms=("raw", "log")) -> pd.DataFrame:
+    rows = []
+    for contrast, ind in CONTRASTS.items():
+        d0 = df[df[ind].notna()]
+        for m in measures:
+            if m not in d0:
+                continue
+            for layer, d in d0.groupby("layer"):
+                for tr in transforms:
+                    y = d[m].to_numpy(dtype=np.float64)
+                    if tr == "log":
+                        y = np.log(np.maximum(y, 1e-30))
+                    x = d[[ind, *CONTROLS]].to_numpy(dtype=np.float64)
+                    pos = int(d[ind].sum())
+                    base = dict(contrast=contrast, measure=m, layer=int(layer), transform=tr, n_pos=pos,
+                                mean_pos=float(d.loc[d[ind] == 1, m].mean()) if pos else np.nan,
+                                mean_neg=float(d.loc[d[ind] == 0, m].mean()), sd_y=float(np.std(y)))
+                    if pos == 0 or pos == len(d) or len(d) < 10:
+                        rows.append(dict(base, term=ind, coef=np.nan))
+                        continue
+                    for r in ols(y, x, [ind, *CONTROLS], groups=d.sentence.to_numpy()):
+                        r["coef_std"] = r["coef"] / base["sd_y"] if base["sd_y"] > 0 else np.nan
+                        rows.append(dict(base, **r))
+    return pd.DataFrame(rows)
+
+
+def effect_figure(eff: pd.DataFrame, transform: str = "log"):
+    import matplotlib.pyplot as plt
+    from probes.analysis import plots  # noqa: F401
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, (contrast, title) in zip(axes, (("open_class", "open- vs closed-class t1"),
+                                            ("coref", "coreferent vs not (noun -> pronoun)"))):
+        e = eff[(eff.contrast == contrast) & (eff.transform == transform)]
+        for m, g in e.groupby("measure"):
+            ax.plot(g.layer + 1, g.z_cluster, marker="o", label="G*" if m == "Gstar" else m)
+        ax.axhline(0, c="grey", lw=0.8)
+        for z in (-1.96, 1.96):
+            ax.axhline(z, c="grey", lw=0.8, ls=":")
+        ax.set_xlabel("layer")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"z of indicator ({transform} measure, cluster-robust)")
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def flow_correlates(ctx, *, split: str = "dev", n_sentences: int | None = 500, seed: int = 0,
+                    open_upos=OPEN_UPOS, closed_upos=CLOSED_UPOS, noun_upos=("NOUN", "PROPN"),
+                    pron_upos=("PRON",), chain: bool = True, chunk_size: int | None = None,
+                    max_length: int | None = None, num_threads: int | None = None,
+                    transforms=("raw", "log"), save_pairs: bool = False) -> pd.DataFrame:
+    """Flow on a seeded random subset of GUM; OLS of each measure on the contrasts; save and return effects."""
+    t0 = time.time()
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    sents = ctx.sentences(split)
+    clusters = head_clusters(sents, ctx.treebank.path(split))
+    idx = list(range(len(sents)))
+    if n_sentences is not None and n_sentences < len(idx):
+        idx = sorted(random.Random(seed).sample(idx, n_sentences))
+    chosen = [sents[i] for i in idx]
+    parts = []
+    for k, e, fl in sentence_flow(ctx.encoder, [s.words for s in chosen], ctx.device, max_length, chain,
+                                  chunk_size, "word", desc="flow_correlates"):
+        s = chosen[k]
+        if s.n < 2:
+            continue
+        parts.append(pair_table(idx[k], s.upos, clusters[idx[k]], fl, open_upos, closed_upos, noun_upos,
+                                pron_upos))
+    df = pd.concat(parts, ignore_index=True)
+    seconds_flow = time.time() - t0
+    reg = regressions(df, transforms=tuple(transforms))
+    eff = reg[reg.term.isin(list(CONTRASTS.values()))].reset_index(drop=True)
+    if save_pairs:
+        ctx.save_table(df, "flow_correlates_pairs")
+    ctx.save_table(reg, "flow_correlates")
+    ctx.save_table(eff, "flow_correlates_effects")
+    ctx.save_figure(effect_figure(eff, "log" if "log" in transforms else transforms[0]), "flow_correlates")
+    l0 = df[df.layer == 0]
+    summ = {}
+    for _, r in eff.iterrows():
+        summ.setdefault(f"{r['contrast']}/{r['measure']}/{r['transform']}", []).append(
+            dict(layer=int(r["layer"]), coef=round(float(r["coef"]), 5), coef_std=round(float(r.get("coef_std", np.nan)), 4),
+                 z_cluster=round(float(r.get("z_cluster", np.nan)), 2),
+                 p_cluster=float(r.get("p_cluster", np.nan)), t=round(float(r.get("t", np.nan)), 2)))
+    ctx.log_summary(dict(
+        analysis="flow_correlates", split=split, encoder=ctx.encoder.name, seed=seed,
+        n_sentences=int(df.sentence.nunique()), n_pairs_per_layer=int(len(l0)),
+        n_open_class_pairs=int((l0.open1 == 1).sum()), n_closed_class_pairs=int((l0.open1 == 0).sum()),
+        n_noun_pron_pairs=int(l0.coreferent.notna().sum()), n_coreferent_pairs=int((l0.coreferent == 1).sum()),
+        model="y ~ 1 + indicator + log(distance) + log(n_words) + t1_before_t2; OLS, CR1 by sentence",
+        seconds=round(time.time() - t0, 1), seconds_flow=round(seconds_flow, 1), effects=summ))
+    log.info("flow_correlates: %d sentences in %.1fs", df.sentence.nunique(), time.time() - t0)
+    return eff

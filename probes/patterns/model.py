@@ -1,0 +1,113 @@
+"""Kovaleva et al. 2019 §3: a small CNN that classifies one self-attention map into five pattern types.
+
+Preprocessing (:func:`preprocess`, shared by training, ``classify`` and ``analysis=pattern_types``):
+
+1. the square map (rows = from/query, columns = to/key) is scaled by its own maximum, as the
+   labelling guide displays the maps (so a map's absolute level, which shrinks with its length
+   because rows sum to 1, does not matter; all-zero maps stay zero);
+2. it is resized to ``size x size`` with **area interpolation** (``F.interpolate(mode="area")`` =
+   adaptive average pooling). Why area: the labelled maps are 12-64 wordpieces long, so with the
+   default 32 a map is either shrunk (at most 2x) or enlarged. Shrinking by averaging keeps every
+   one-token column and the one-token diagonal as a (fainter) line, where bilinear sampling at
+   stride 2 can skip a column entirely; enlarging with area is block replication (crisp lines,
+   no blur that would make a diagonal look like a band). 32 is near the median map length;
+3. optional extra channels: ``sqrt`` (square root of the scaled map: lifts faint diagonals under a
+   dominant column, the vertical vs vertical+diagonal distinction of the guide).
+
+The network: ``len(channels)`` input channels, three conv(3x3)-BatchNorm-ReLU-maxpool(2) blocks
+(widths ``widths``), flatten (positions matter: column 0 = [CLS], the main diagonal), dropout, a
+hidden linear layer and a linear layer to the classes. Not global pooling: where a stripe sits is
+part of the pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CLASSES = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
+RESIZE_MODES = ("area", "bilinear", "nearest")
+CHANNELS = ("max", "sqrt")
+
+
+def check_map(a, where: str = "map") -> np.ndarray:
+    """The map as a 2-D float32 array; ValueError naming ``where`` if it is empty, not square or not finite."""
+    a = np.asarray(a)
+    if a.ndim != 2:
+        raise ValueError(f"{where}: expected a square 2-D array, got shape {tuple(a.shape)}")
+    if a.shape[0] == 0 or a.shape[1] == 0:
+        raise ValueError(f"{where}: empty array of shape {tuple(a.shape)}")
+    if a.shape[0] != a.shape[1]:
+        raise ValueError(f"{where}: not square, shape {tuple(a.shape)}")
+    if not np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.complexfloating):
+        raise ValueError(f"{where}: expected real numbers, got dtype {a.dtype}")
+    a = a.astype(np.float32)
+    if not np.isfinite(a).all():
+        raise ValueError(f"{where}: contains NaN or infinite values")
+    return a
+
+
+def preprocess(maps: torch.Tensor | np.ndarray, size: int = 32, resize: str = "area",
+               channels: Sequence[str] = ("max",)) -> torch.Tensor:
+    """One (T, T) map or a batch (B, T, T) of equal-size maps -> (B, C, size, size) float32."""
+    x = torch.as_tensor(np.asarray(maps) if not isinstance(maps, torch.Tensor) else maps).float()
+    if x.dim() == 2:
+        x = x[None]
+    if x.dim() != 3 or x.shape[-1] != x.shape[-2] or x.shape[-1] == 0:
+        raise ValueError(f"expected (T, T) or (B, T, T) maps, got {tuple(x.shape)}")
+    if resize not in RESIZE_MODES:
+        raise ValueError(f"resize must be one of {RESIZE_MODES}, got {resize!r}")
+    peak = x.flatten(1).amax(1).clamp_min(1e-12)[:, None, None]
+    x = (x / peak).clamp_min(0.0)[:, None]  # (B, 1, T, T) in [0, 1]
+    if resize == "bilinear":
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+    else:
+        x = F.interpolate(x, size=(size, size), mode=resize)
+    out = []
+    for c in channels:
+        if c == "max":
+            out.append(x)
+        elif c == "sqrt":
+            out.append(x.clamp_min(0).sqrt())
+        else:
+            raise ValueError(f"unknown channel {c!r}; expected one of {CHANNELS}")
+    return torch.cat(out, 1)
+
+
+def preprocess_many(maps: Sequence[np.ndarray], size: int = 32, resize: str = "area",
+                    channels: Sequence[str] = ("max",)) -> torch.Tensor:
+    """Maps of different sizes -> (N, C, size, size), grouped by size internally."""
+    out = torch.empty(len(maps), len(channels), size, size)
+    by_size: dict[int, list[int]] = {}
+    for i, m in enumerate(maps):
+        by_size.setdefault(int(np.shape(m)[0]), []).append(i)
+    for idx in by_size.values():
+        out[idx] = preprocess(np.stack([np.asarray(maps[i], dtype=np.float32) for i in idx]), size, resize, channels)
+    return out
+
+
+class PatternCNN(nn.Module):
+    """conv-BN-ReLU-maxpool blocks -> flatten -> dropout -> hidden -> classes."""
+
+    def __init__(self, num_classes: int = len(CLASSES), in_channels: int = 1, size: int = 32,
+                 widths: Sequence[int] = (16, 32, 64), hidden: int = 64, dropout: float = 0.3):
+        super().__init__()
+        layers: list[nn.Module] = []
+        c, s = in_channels, size
+        for w in widths:
+            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True),
+                       nn.MaxPool2d(2)]
+            c, s = w, s // 2
+        if s < 1:
+            raise ValueError(f"size {size} too small for {len(widths)} pooling stages")
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(c * s * s, hidden),
+                                  nn.ReLU(inplace=True), nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, size, size) -> (B, num_classes) logits."""
+        return self.head(self.features(x))

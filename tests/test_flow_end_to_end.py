@@ -1,0 +1,88 @@
+"""The three new analyses end to end in process (tiny encoder, hand-made CoNLL-U with Entity= coreference)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from probes.analysis.context import AnalysisContext
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+# Two GUM-style sentences: "Mary" (cluster 1) ... "she" (cluster 1); "the dog" (2) ... "it" (2).
+GUM = """\
+# newdoc id = doc1
+# global.Entity = GRP-etype-infstat-salience-centering-minspan-link-identity
+# sent_id = doc1-1
+1\tMary\tMary\tPROPN\t_\t_\t2\tnsubj\t_\tEntity=(1-person-new-_-_-1-_-_)
+2\tsaid\tsay\tVERB\t_\t_\t0\troot\t_\t_
+3\tthat\tthat\tSCONJ\t_\t_\t5\tmark\t_\t_
+4\tshe\tshe\tPRON\t_\t_\t5\tnsubj\t_\tEntity=(1-person-giv-_-_-1-_-_)
+5\tlikes\tlike\tVERB\t_\t_\t2\tccomp\t_\t_
+6\tthe\tthe\tDET\t_\t_\t7\tdet\t_\tEntity=(2-animal-new-_-_-2-_-_
+7\tdog\tdog\tNOUN\t_\t_\t5\tobj\t_\tEntity=2)
+8\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_
+
+# sent_id = doc1-2
+1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\tEntity=(3-object-new-_-_-2-_-_
+2\thouse\thouse\tNOUN\t_\t_\t4\tnsubj\t_\tEntity=3)
+3\tthat\tthat\tPRON\t_\t_\t4\tnsubj\t_\t_
+4\tsees\tsee\tVERB\t_\t_\t0\troot\t_\t_
+5\tit\tit\tPRON\t_\t_\t4\tobj\t_\tEntity=(2-animal-giv-_-_-1-_-_)
+6\tquickly\tquickly\tADV\t_\t_\t4\tadvmod\t_\t_
+7\t.\t.\tPUNCT\t_\t_\t4\tpunct\t_\t_
+
+"""
+
+
+def _cfg(tmp_path, analysis, *extra):
+    for sub, name in (("ud_english_gum", "en_gum-ud-dev.conllu"), ("ud_english_ewt", "en_ewt-ud-dev.conllu")):
+        (tmp_path / "data" / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / sub / name).write_text(GUM)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="analyze", overrides=[
+            f"analysis={analysis}", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}",
+            f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false", "data.treebank.download=false",
+            "data.treebank.sha256=null", *extra])
+
+
+def _run(cfg, out):
+    ctx = AnalysisContext(cfg, out)
+    res = instantiate(cfg.analysis)(ctx)
+    return res, json.loads((out / "summary.json").read_text())
+
+
+def test_flow_end_to_end(tmp_path):
+    cfg = _cfg(tmp_path, "flow")
+    assert cfg.analysis._target_ == "probes.analysis.flow.flow" and cfg.analysis._partial_
+    corr, summ = _run(cfg, tmp_path / "out")
+    assert summ["n_sentences"] == 2 and len(summ["rho_G_A_per_layer"]) == 2
+    pairs = pd.read_csv(tmp_path / "out" / "flow_pairs.csv")
+    assert len(pairs) == 2 * (10 ** 2 + 9 ** 2)  # layers x (words + [CLS] + [SEP])^2
+    assert {"flow_layers.png", "flow_scatter.png", "flow_correlations.csv"} <= {p.name for p in (tmp_path / "out").iterdir()}
+
+
+def test_flow_correlates_end_to_end(tmp_path):
+    cfg = _cfg(tmp_path, "flow_correlates", "data=gum", "analysis.n_sentences=null", "analysis.save_pairs=true")
+    eff, summ = _run(cfg, tmp_path / "out")
+    assert summ["n_sentences"] == 2
+    # sentence 1: nouns Mary, dog x pronoun she -> Mary~she coreferent; sentence 2: house, that/it -> none
+    assert summ["n_noun_pron_pairs"] == 2 + 2 * 1 and summ["n_coreferent_pairs"] == 1
+    pairs = pd.read_csv(tmp_path / "out" / "flow_correlates_pairs.csv")
+    co = pairs[(pairs.coreferent == 1) & (pairs.layer == 0)]
+    assert list(zip(co.t1, co.t2)) == [(0, 3)]
+    assert set(eff.contrast) == {"open_class", "coref"}
+
+
+def test_attribution_end_to_end(tmp_path):
+    cfg = _cfg(tmp_path, "attribution", "analysis.ig_steps=3", "analysis.min_words=3")
+    layers, summ = _run(cfg, tmp_path / "out")
+    assert summ["n_sentences"] == 2 and summ["captum_max_abs_diff"] < 1e-5
+    assert set(layers.method) == {"ixg", "ig"} and layers.js.between(0, 1).all()
+    pat = pd.read_csv(tmp_path / "out" / "attribution_patterns.csv")
+    assert set(pat.source) == {"attention", "ixg", "ig"}
+    assert pat.groupby(["source", "layer"]).share.sum().round(6).eq(1).all()

@@ -1,0 +1,249 @@
+"""Pattern CNN (Kovaleva et al. 2019 §3): preprocessing, overfitting a handful of maps, the stratified
+split, `python train.py experiment=patterns` on a small synthetic set, the classify CLI, and
+`analysis=pattern_types` on a tiny random BERT."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from probes.patterns.__main__ import main as patterns_main
+from probes.patterns.datamodule import PatternDataModule, stratified_split
+from probes.patterns.model import CLASSES, preprocess, preprocess_many
+from probes.patterns.module import PatternClassifier, load_classifier
+from tests.conftest import ROOT, compose_train, shared_data_dir
+
+
+def synthetic_map(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """A row-stochastic (n, n) map of one pattern type (plus a little noise)."""
+    a = rng.random((n, n)) * 0.05
+    if kind == "vertical":
+        a[:, 0] += 1.0
+        a[:, -1] += 0.5
+    elif kind == "diagonal":
+        a[np.arange(n), np.arange(n)] += 1.0
+    elif kind == "vertical+diagonal":
+        a[:, 0] += 1.0
+        a[np.arange(n), np.arange(n)] += 1.0
+    elif kind == "block":
+        h = n // 2
+        a[:h, :h] += 0.5
+        a[h:, h:] += 0.5
+    else:  # heterogeneous
+        a += rng.random((n, n)) ** 4
+    return (a / a.sum(1, keepdims=True)).astype(np.float32)
+
+
+def write_pattern_folder(d: Path, per_class: int = 6, seed: int = 0) -> dict[str, str]:
+    rng = np.random.default_rng(seed)
+    d.mkdir(parents=True, exist_ok=True)
+    maps, labels = {}, {}
+    i = 0
+    for kind in CLASSES:
+        for _ in range(per_class):
+            maps[str(i)] = synthetic_map(kind, int(rng.integers(12, 40)), rng).astype(np.float16)
+            labels[str(i)] = kind
+            i += 1
+    np.savez(d / "maps.npz", **maps)
+    (d / "labels.json").write_text(json.dumps(labels))
+    return labels
+
+
+def test_preprocess_scales_by_max_and_resizes():
+    a = np.zeros((12, 12), np.float32)
+    a[:, 0] = 0.25
+    x = preprocess(a, size=32, resize="area", channels=("max", "sqrt"))
+    assert x.shape == (1, 2, 32, 32)
+    assert float(x[0, 0].max()) == pytest.approx(1.0)
+    assert torch.all(x[0, 0, :, 0] > 0.99) and float(x[0, 0, :, 8:].max()) == 0.0  # column 0 stays a column
+    big = np.eye(64, dtype=np.float32)
+    y = preprocess(big, size=32)[0, 0]
+    assert torch.allclose(torch.diagonal(y), torch.full((32,), 0.5))  # area: 2x2 averages keep the diagonal
+    batch = preprocess_many([a, big, a], size=16)
+    assert batch.shape == (3, 1, 16, 16) and torch.equal(batch[0], batch[2])
+
+
+def test_cnn_overfits_a_handful_of_maps():
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    kinds = [CLASSES[i % len(CLASSES)] for i in range(10)]
+    maps = [synthetic_map(k, int(rng.integers(12, 50)), rng) for k in kinds]
+    module = PatternClassifier(dropout=0.0, class_weighting="none", cosine=False, lr=3e-3)
+    x = module.preprocess(maps)
+    y = torch.tensor([CLASSES.index(k) for k in kinds])
+    opt = torch.optim.AdamW(module.parameters(), lr=3e-3)
+    module.train()
+    for _ in range(40):
+        opt.zero_grad()
+        loss = module._loss(module(x), y)
+        loss.backward()
+        opt.step()
+    assert module.predict_labels(maps) == kinds
+
+
+def _labels_like_real() -> dict[str, str]:
+    counts = {"vertical": 258, "vertical+diagonal": 100, "heterogeneous": 51, "diagonal": 37, "block": 4}
+    labels, i = {}, 0
+    for k, n in counts.items():
+        for _ in range(n):
+            labels[str(i)] = k
+            i += 1
+    return labels
+
+
+def _check_split(split: dict[str, list[str]], labels: dict[str, str], fractions=(0.6, 0.2, 0.2)):
+    sets = [set(split[s]) for s in ("train", "val", "test")]
+    assert sum(len(s) for s in sets) == len(labels)
+    assert set().union(*sets) == set(labels)
+    assert not (sets[0] & sets[1]) and not (sets[0] & sets[2]) and not (sets[1] & sets[2])
+    total = Counter(labels.values())
+    for s, frac in zip(("train", "val", "test"), fractions):
+        c = Counter(labels[k] for k in split[s])
+        for cls, n in total.items():
+            assert abs(c.get(cls, 0) - frac * n) <= 1, (s, cls, c.get(cls, 0), n)
+            if n >= 3:
+                assert c.get(cls, 0) >= 1, (s, cls)
+
+
+def test_stratified_split_is_disjoint_stratified_and_seeded():
+    labels = _labels_like_real()
+    a = stratified_split(labels, (0.6, 0.2, 0.2), seed=0)
+    _check_split(a, labels)
+    assert a == stratified_split(labels, (0.6, 0.2, 0.2), seed=0)
+    assert a != stratified_split(labels, (0.6, 0.2, 0.2), seed=1)
+    with pytest.raises(ValueError):
+        stratified_split(labels, (0.5, 0.2, 0.2))
+
+
+@pytest.mark.slow
+def test_datamodule_split_on_shared_maps():
+    d = shared_data_dir() / "attention_patterns"
+    if not (d / "maps.npz").is_file():
+        pytest.skip(f"shared attention patterns not found at {d}")
+    labels = json.loads((d / "labels.json").read_text())
+    dm = PatternDataModule(str(d), seed=0)
+    dm.prepare_data()
+    dm.setup("fit")
+    _check_split(dm.split_ids, labels)
+    assert len(dm.ids) == len(labels) == 450
+    x, y, i = next(iter(dm.val_dataloader()))
+    assert x.shape[1:] == (1, 32, 32) and float(x.amax()) <= 1.0
+    assert dm.train_class_counts == [Counter(labels[k] for k in dm.split_ids["train"])[c] for c in CLASSES]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """`python train.py experiment=patterns` in-process on a 30-map synthetic folder (2 epochs)."""
+    from probes.train import train
+
+    tmp = tmp_path_factory.mktemp("patterns")
+    write_pattern_folder(tmp / "data" / "attention_patterns")
+    cfg = compose_train(["experiment=patterns", "logger=none", f"paths.data_dir={tmp / 'data'}",
+                         f"paths.output_dir={tmp / 'out'}", "trainer.max_epochs=2", "trainer.accelerator=cpu",
+                         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                         "data.batch_size=8"])
+    metrics = train(cfg)
+    return tmp, metrics
+
+
+def test_train_experiment_writes_checkpoint_and_per_class(trained_run):
+    tmp, metrics = trained_run
+    out = tmp / "out"
+    ckpt = Path(metrics["best_checkpoint"])
+    assert ckpt.is_file() and ckpt.parent == out / "checkpoints"
+    assert {"test/macro_f1", "test/acc", "val/macro_f1_best", "test/f1_block", "test/recall_diagonal"} <= set(metrics)
+    per = pd.read_csv(out / "per_class.csv")
+    assert list(per["class"]) == [*CLASSES, "macro", "accuracy"]
+    assert per.set_index("class").loc[list(CLASSES), "support"].tolist() == [1] * 5  # 20% of 6 per class
+    assert (out / "metrics.json").is_file() and (out / "test_predictions.csv").is_file()
+    preds = pd.read_csv(out / "test_predictions.csv", dtype={"id": str})
+    assert len(preds) == 5 and set(preds.gold) == set(CLASSES)
+
+
+def test_classify_cli_writes_every_id(trained_run, tmp_path, capsys):
+    tmp, metrics = trained_run
+    rng = np.random.default_rng(3)
+    maps = {f"m{i}": synthetic_map(CLASSES[i % 5], 10 + 3 * i, rng) for i in range(7)}
+    np.savez(tmp_path / "maps.npz", **maps)
+    out = tmp_path / "sub" / "labels.json"
+    rc = patterns_main(["classify", "--checkpoint", metrics["best_checkpoint"], "--maps", str(tmp_path / "maps.npz"),
+                        "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert list(result) == list(maps) and set(result.values()) <= set(CLASSES)
+    assert not list(out.parent.glob(".*tmp"))
+    # the run folder works as --checkpoint too and gives the same labels
+    rc = patterns_main(["classify", "--checkpoint", str(tmp / "out"), "--maps", str(tmp_path / "maps.npz"),
+                        "--out", str(tmp_path / "again.json")])
+    assert rc == 0 and json.loads((tmp_path / "again.json").read_text()) == result
+
+
+@pytest.mark.parametrize("bad,msg", [(np.zeros((3, 4), np.float32), "not square"),
+                                     (np.zeros((0, 0), np.float32), "empty"),
+                                     (np.zeros(5, np.float32), "square 2-D")])
+def test_classify_cli_names_file_and_key_of_a_bad_array(trained_run, tmp_path, capsys, bad, msg):
+    _, metrics = trained_run
+    np.savez(tmp_path / "bad.npz", good=np.eye(5, dtype=np.float32), broken=bad)
+    out = tmp_path / "out.json"
+    rc = patterns_main(["classify", "--checkpoint", metrics["best_checkpoint"], "--maps", str(tmp_path / "bad.npz"),
+                        "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'broken'" in err and "bad.npz" in err and msg in err
+    assert not out.exists()
+
+
+def test_load_classifier_roundtrip(trained_run):
+    _, metrics = trained_run
+    m = load_classifier(metrics["best_checkpoint"])
+    assert m.classes == CLASSES and not m.training
+    assert m.predict_maps([np.eye(20, dtype=np.float32)]).shape == (1,)
+
+
+RTE_DEV = ("index\tsentence1\tsentence2\tlabel\n"
+           "0\tThe dog did not see the cat today.\tA dog saw nothing at all.\tentailment\n"
+           "1\tShe likes apples and pears very much.\tShe hates fruit.\tnot_entailment\n"
+           "2\tToo short.\tNo.\tentailment\n")
+
+
+def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from probes.analysis.context import run_analysis
+
+    _, metrics = trained_run
+    d = tmp_path / "data" / "glue" / "RTE"
+    d.mkdir(parents=True)
+    (d / "dev.tsv").write_text(RTE_DEV)
+    # a "fine-tuned" model: the tiny BERT saved as a Hugging Face folder
+    from probes.encoders import tiny_bert
+
+    enc = tiny_bert(max_position_embeddings=128)
+    ft = tmp_path / "ft" / "hf_model"
+    enc.model.save_pretrained(ft)
+    enc.tokenizer.save_pretrained(ft)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="analyze", overrides=[
+            "analysis=pattern_types", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}", "logger.use_wandb=false",
+            f"analysis.checkpoint={metrics['best_checkpoint']}", "analysis.task=rte", "analysis_device=cpu",
+            f"analysis.finetuned={ft.parent}", "analysis.min_length=16"])
+    out = tmp_path / "out"
+    run_analysis(cfg, out)
+    df = pd.read_csv(out / "pattern_types.csv")
+    assert set(df.model) == {"pre-trained", "fine-tuned"} and set(df.pattern) == set(CLASSES)
+    assert df.groupby("model").share.sum().round(6).eq(1).all()
+    L, H = cfg.encoder.num_hidden_layers, cfg.encoder.num_attention_heads
+    assert df.groupby("model")["count"].sum().eq(2 * L * H).all()   # 2 examples pass the length filter
+    # same weights as the encoder: identical classifications before and after "fine-tuning"
+    p = df.pivot(index="pattern", columns="model", values="count")
+    assert (p["pre-trained"] == p["fine-tuned"]).all()
+    by_layer = pd.read_csv(out / "pattern_types_by_layer.csv")
+    assert sorted(by_layer.layer.unique()) == list(range(L))
+    assert (out / "pattern_types.png").is_file() and (out / "pattern_types_by_layer.png").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["results"]["rte/pre-trained"]["n_skipped_length"] == 1
