@@ -115,3 +115,32 @@ def test_bad_indices(enc):
         AttentionDisabler(enc.model, layers={enc.num_layers})
     with pytest.raises(ValueError, match="head"):
         AttentionDisabler(enc.model, heads={(0, enc.num_heads)})
+
+
+def test_prefix_reuse_equals_full_forward():
+    """disable_scores' fast path (reuse layers < l) gives the same scores as full forwards."""
+    import random
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from probes.analysis.disable_heads import disable_scores
+    from probes.glue.data import GlueExample
+    from probes.glue.evaluate import make_batches
+
+    enc = tiny_bert(num_hidden_layers=3, num_attention_heads=2)
+    torch.manual_seed(0)
+    cfg = BertConfig(**{**enc.config.to_dict(), "num_labels": 1})
+    cfg._attn_implementation = "eager"
+    model = BertForSequenceClassification(cfg).eval()
+    rng = random.Random(0)
+    words = "the a cat dog saw liked house runs big small".split()
+    ex = [GlueExample(" ".join(rng.choice(words) for _ in range(rng.randint(2, 9))), "a dog", rng.random() * 5, i)
+          for i in range(11)]
+    batches = make_batches(enc.tokenizer, ex, "stsb", batch_size=4)
+    fast = disable_scores(model, batches, "stsb", 3, 2, progress=False, reuse_prefix=True)
+    slow = disable_scores(model, batches, "stsb", 3, 2, progress=False, reuse_prefix=False)
+    assert len(fast) == 2 * (1 + 3 * 2 + 3)
+    assert (fast.delta != 0).any()
+    import numpy as np
+
+    np.testing.assert_allclose(fast.value.to_numpy(), slow.value.to_numpy(), rtol=0, atol=1e-6)

@@ -11,6 +11,11 @@ Run with ``python -m probes.analyze analysis=<name>``; one module per analysis:
   baselines (Clark §4.2, Table 2), word level from a cache of document segments.
 * :mod:`probes.analysis.gradients` - gradient of a configured loss w.r.t. attention to [SEP] vs
   punctuation vs other tokens, per layer (Clark §3, Fig 3).
+* :mod:`probes.analysis.flow` / :mod:`probes.analysis.flow_correlates` - gradient flow G, G* vs
+  attention A and its linguistic correlates (Westera 2019).
+* :mod:`probes.analysis.attribution` - gradient attribution of head outputs vs attention (Pascual et al. 2021).
+* :mod:`probes.analysis.finetune_cosine`, :mod:`probes.analysis.disable_heads`,
+  :mod:`probes.analysis.pattern_types`, :mod:`probes.analysis.linguistic_attention` - Kovaleva et al. 2019.
 
 Conventions: every file (CSV, JSON) uses **0-based** ``layer`` and ``head`` columns; figures and
 the ``name`` columns use the paper's **1-based** ``layer-head`` names (``8-10`` is layer index 7,

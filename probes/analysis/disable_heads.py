@@ -25,8 +25,10 @@ from tqdm import tqdm
 
 from probes.analysis.naming import head_name
 from probes.glue.data import read_glue, task_spec
-from probes.glue.disable import AttentionDisabler
-from probes.glue.evaluate import logits_and_labels, make_batches
+import torch
+
+from probes.glue.disable import AttentionDisabler, PrefixCache
+from probes.glue.evaluate import MODEL_KEYS, make_batches
 from probes.glue.load import load_finetuned
 from probes.glue.metrics import score
 
@@ -42,19 +44,35 @@ def _checkpoints(checkpoint, task) -> dict[str | None, str]:
 
 
 def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, device="cpu",
-                   heads: bool = True, layers: bool = True, progress: bool = True) -> pd.DataFrame:
-    """Tidy scores for: nothing disabled, each single head, each whole layer (0-based indices)."""
+                   heads: bool = True, layers: bool = True, progress: bool = True,
+                   reuse_prefix: bool = True) -> pd.DataFrame:
+    """Tidy scores for: nothing disabled, each single head, each whole layer (0-based indices).
+
+    `reuse_prefix`: compute only layers >= l when layer l is touched (`PrefixCache`); exact."""
     conditions = [("none", -1, -1)]
     if heads:
         conditions += [("head", l, h) for l in range(num_layers) for h in range(num_heads)]
     if layers:
         conditions += [("layer", l, -1) for l in range(num_layers)]
     rows, base = [], None
+    with torch.inference_mode():
+        inputs = [{k: b[k].to(device) for k in MODEL_KEYS if k in b} for b in batches]
+        labels = torch.cat([b["labels"] for b in batches])
+        plain, prefix = zip(*(PrefixCache.record(model, x) for x in inputs)) if reuse_prefix else ((), ())
     for cond, l, h in tqdm(conditions, desc=f"disable_heads {task}", unit="cond", disable=None if progress else True):
         dis = AttentionDisabler(model, heads={(l, h)} if cond == "head" else (),
                                 layers={l} if cond == "layer" else ())
-        with dis:
-            logits, labels = logits_and_labels(model, batches, device)
+        outs = []
+        with dis, torch.inference_mode():
+            for i, x in enumerate(inputs):
+                if cond == "none" and reuse_prefix:
+                    outs.append(plain[i].logits)
+                elif reuse_prefix:  # layers < l are unchanged: reuse their outputs from the plain run
+                    with PrefixCache.reuse(model, prefix[i], l):
+                        outs.append(model(**x).logits)
+                else:
+                    outs.append(model(**x).logits)
+        logits = torch.cat(outs).float().cpu()
         values = score(task, logits, labels)
         if base is None:
             base = values
@@ -72,20 +90,21 @@ def heatmap(df: pd.DataFrame, metric: str, num_layers: int, num_heads: int, task
 
     d = df[(df.condition == "head") & (df.metric == metric)]
     m = np.full((num_layers, num_heads), np.nan)
-    m[d.layer.to_numpy(), d.head.to_numpy()] = d.delta.to_numpy()
+    m[d["layer"].to_numpy(), d["head"].to_numpy()] = d["delta"].to_numpy()
     base = float(df[(df.condition == "none") & (df.metric == metric)].value.iloc[0])
+    m = 100 * m  # percentage points
     lim = max(1e-6, float(np.nanmax(np.abs(m))))
     fig, ax = plt.subplots(figsize=(0.5 * num_heads + 2, 0.45 * num_layers + 1.5))
     im = ax.imshow(m, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
     for l in range(num_layers):
         for h in range(num_heads):
-            ax.text(h, l, f"{100 * m[l, h]:+.1f}", ha="center", va="center", fontsize=5)
+            ax.text(h, l, f"{m[l, h]:+.1f}", ha="center", va="center", fontsize=5)
     ax.set_xticks(range(num_heads), [str(h + 1) for h in range(num_heads)], fontsize=7)
     ax.set_yticks(range(num_layers), [str(l + 1) for l in range(num_layers)], fontsize=7)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_title(f"{task}: change in dev {metric} when one head is disabled\n"
-                 f"(baseline {100 * base:.1f}; cell values x100)", fontsize=8)
+                 f"(baseline {100 * base:.1f}; x100)", fontsize=8)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     return fig
@@ -112,7 +131,7 @@ def layer_bars(df: pd.DataFrame, metric: str, task: str):
 
 def disable_heads(ctx, *, checkpoint=None, task: str | None = None, split: str = "dev",
                   max_examples: int | None = None, batch_size: int = 64, max_length: int = 128,
-                  heads: bool = True, layers: bool = True) -> pd.DataFrame:
+                  heads: bool = True, layers: bool = True, reuse_prefix: bool = True) -> pd.DataFrame:
     t0 = time.time()
     frames, summary = [], {}
     for want_task, path in _checkpoints(checkpoint, task).items():
@@ -123,7 +142,7 @@ def disable_heads(ctx, *, checkpoint=None, task: str | None = None, split: str =
         examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
         batches = make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
         log.info("disable_heads: %s, %d %s examples, %d layers x %d heads", ft.task, len(examples), split, L, H)
-        df = disable_scores(model, batches, ft.task, L, H, ctx.device, heads, layers)
+        df = disable_scores(model, batches, ft.task, L, H, ctx.device, heads, layers, reuse_prefix=reuse_prefix)
         main = task_spec(ft.task).main_metric
         ctx.save_table(df, f"disable_heads_{ft.task}")
         if heads:

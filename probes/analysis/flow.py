@@ -93,7 +93,7 @@ def correlations(df: pd.DataFrame, measures=("G", "Gstar"), against: str = "A") 
         if m not in df:
             continue
         for pairs, d in subsets.items():
-            groups = [("all_layers", -1, d), *((f"layer", int(l), g) for l, g in d.groupby("layer"))]
+            groups = [("all_layers", -1, d), *(("layer", int(l), g) for l, g in d.groupby("layer"))]
             for scope, layer, g in groups:
                 r, p = spearmanr(g[m], g[against]) if len(g) > 2 else (np.nan, np.nan)
                 rows.append(dict(measure=m, against=against, pairs=pairs, scope=scope, layer=layer,

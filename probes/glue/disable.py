@@ -118,3 +118,56 @@ class AttentionDisabler:
             return (context, probs, *output[2:])
 
         return hook
+
+
+class PrefixCache:
+    """Reuse the outputs of the layers below the first disabled one (they cannot change).
+
+    `record(model, inputs)` runs the plain model once and stores the outputs of the embeddings and of
+    every encoder layer; inside `with cache.reuse(model, outputs, first_layer)` the embeddings and
+    layers `< first_layer` return those stored outputs instead of computing (their `forward` is
+    shadowed by an instance attribute), and the rest of the model runs as usual. Used by
+    `analysis=disable_heads` to score one disabled head in ~(L - l) / L of a forward pass.
+    """
+
+    @staticmethod
+    def parts(model):
+        base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+        return base.embeddings, list(base.encoder.layer)
+
+    @classmethod
+    def record(cls, model, inputs: dict):
+        emb, layers = cls.parts(model)
+        outs, handles = [None] * (len(layers) + 1), []
+
+        def keep(j):
+            def hook(module, args, output):
+                outs[j] = output
+            return hook
+
+        handles.append(emb.register_forward_hook(keep(0)))
+        handles += [layer.register_forward_hook(keep(j + 1)) for j, layer in enumerate(layers)]
+        try:
+            result = model(**inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        return result, outs
+
+    @classmethod
+    def reuse(cls, model, outs, first_layer: int):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def ctx():
+            emb, layers = cls.parts(model)
+            mods = [emb] + layers[:first_layer]
+            for j, m in enumerate(mods):
+                m.forward = (lambda o: (lambda *a, **k: o))(outs[j])
+            try:
+                yield
+            finally:
+                for m in mods:
+                    del m.forward
+
+        return ctx()
