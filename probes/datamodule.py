@@ -24,10 +24,15 @@ PUNCT_UPOS = "PUNCT"
 
 @dataclass
 class SplitData:
-    sentences: list[Sentence]
+    """One split as compact per-sentence arrays; full `Sentence`s are kept only for the test split."""
+
     cache: AttentionCache
-    glove_ids: list[np.ndarray]  # per sentence (n,) row in the vector table, 0 = no vector
+    heads: list[np.ndarray]  # per sentence (n,) int16 gold head, 0 = ROOT
+    punct: list[np.ndarray]  # per sentence (n,) bool, UPOS PUNCT
+    words: list[tuple[str, ...]] | None  # until the GloVe rows are attached, then dropped
     indices: list[int]  # sentences present in the cache (too-long ones are skipped)
+    sentences: list[Sentence] | None = None
+    glove_ids: list[np.ndarray] | None = None  # per sentence (n,) row in the vector table, 0 = no vector
 
 
 class DependencySplit(Dataset):
@@ -39,14 +44,13 @@ class DependencySplit(Dataset):
 
     def __getitem__(self, k: int) -> dict:
         i = self.split.indices[k]
-        s = self.split.sentences[i]
-        maps = self.split.cache[i]  # (L, H, W, W) float16 memmap view, W = n + 2
-        return dict(index=i, maps=torch.from_numpy(np.array(maps, dtype=np.float32)),
-                    heads=torch.tensor(s.heads), punct=torch.tensor([u == PUNCT_UPOS for u in s.upos]),
-                    glove=torch.from_numpy(self.split.glove_ids[i]))
+        maps = self.split.cache[i]  # (L, H, W, W) float16, W = n + 2
+        return dict(index=i, maps=torch.from_numpy(maps.astype(np.float32)),
+                    heads=torch.from_numpy(self.split.heads[i].astype(np.int64)),
+                    punct=torch.from_numpy(self.split.punct[i]), glove=torch.from_numpy(self.split.glove_ids[i]))
 
     def length(self, k: int) -> int:
-        return self.split.sentences[self.split.indices[k]].n
+        return len(self.split.heads[self.split.indices[k]])
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -122,6 +126,7 @@ class DependencyDataModule(pl.LightningDataModule):
         self.max_sentences = dict(max_sentences or {})
         self.batch_size, self.max_pairs, self.num_workers, self.seed = batch_size, max_pairs, num_workers, seed
         self.data: dict[str, SplitData] = {}
+        self.keep_sentences = {"test"}  # the CoNLL-U prediction writer needs the full test sentences
         self.vectors: torch.Tensor | None = None  # (V + 1, d) row 0 = zero vector for words without one
         self.num_layers = self.num_heads = None
 
@@ -141,7 +146,12 @@ class DependencyDataModule(pl.LightningDataModule):
             if len(indices) < len(sentences):
                 log.warning("%s/%s: %d sentences longer than the encoder's maximum are not scored",
                             self.name, split, len(sentences) - len(indices))
-            loaded[stage] = SplitData(sentences, cache, [], indices)
+            loaded[stage] = SplitData(
+                cache, heads=[np.asarray(x.heads, dtype=np.int16) for x in sentences],
+                punct=[np.asarray([u == PUNCT_UPOS for u in x.upos]) for x in sentences],
+                words=[x.words for x in sentences], indices=indices,
+                sentences=sentences if stage in self.keep_sentences else None)
+            del sentences
         self.num_layers, self.num_heads = encoder.num_layers, encoder.num_heads
         self._attach_vectors(loaded)
         self.data = loaded
@@ -151,26 +161,27 @@ class DependencyDataModule(pl.LightningDataModule):
         """Compact table of the GloVe rows these splits use; missing words map to row 0 (zeros)."""
         if self.glove_cfg is None:
             for d in loaded.values():
-                d.glove_ids = [np.zeros(s.n, dtype=np.int64) for s in d.sentences]
+                d.glove_ids, d.words = [np.zeros(len(w), dtype=np.int64) for w in d.words], None
             self.vectors = torch.zeros(1, 1)
             return
         wv = instantiate(self.glove_cfg)
-        vocab = sorted({w for d in loaded.values() for s in d.sentences for w in s.words})
+        vocab = sorted({w for d in loaded.values() for words in d.words for w in words})
         row_of = dict(zip(vocab, wv.lookup(vocab).tolist()))  # word -> GloVe row or -1
         rows: dict[int, int] = {}  # GloVe row -> row in the compact table (0 = no vector)
         for stage, d in loaded.items():
             missing = total = 0
-            for s in d.sentences:
-                ids = [row_of[w] for w in s.words]
+            d.glove_ids = []
+            for words in d.words:
+                ids = [row_of[w] for w in words]
                 total += len(ids)
                 missing += sum(r < 0 for r in ids)
                 d.glove_ids.append(np.array([0 if r < 0 else rows.setdefault(r, len(rows) + 1) for r in ids],
                                             dtype=np.int64))
+            d.words = None
             log.info("%s/%s: %d of %d words (%.1f%%) have no GloVe vector and get the zero vector",
                      self.name, stage, missing, total, 100 * missing / max(total, 1))
-        table = np.zeros((len(rows) + 1, wv.dim), dtype=np.float32)
-        for r, k in rows.items():
-            table[k] = wv.vectors[r]
+        table = np.zeros((len(rows) + 1, wv.dim), dtype=np.float32)  # (V' + 1, d)
+        table[list(rows.values())] = wv.take(list(rows.keys()))
         self.vectors = torch.from_numpy(table)
 
     @property
@@ -206,4 +217,6 @@ class DependencyDataModule(pl.LightningDataModule):
         return {f"data/{stage}_cache_mb": d.cache.manifest["bytes"] / 2**20 for stage, d in self.data.items()}
 
     def sentences(self, stage: str) -> list[Sentence]:
+        if self.data[stage].sentences is None:
+            raise KeyError(f"full sentences are kept only for {sorted(self.keep_sentences)}, not '{stage}'")
         return self.data[stage].sentences

@@ -42,6 +42,28 @@ class WordVectors:
         """Row of ``word`` or -1."""
         return int(self.lookup([word])[0])
 
+    def take(self, rows) -> np.ndarray:
+        """(k, d) float32 copy of the given rows; reads a memory-mapped file row by row (pread), so
+        scattered rows do not page the whole matrix into this process."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not isinstance(self.vectors, np.memmap) or self.vectors.filename is None:
+            return np.asarray(self.vectors[rows], dtype=np.float32)
+        v = self.vectors
+        out = np.empty((len(rows), self.dim), dtype=v.dtype)  # (k, d)
+        fd = os.open(v.filename, os.O_RDONLY)
+        try:
+            if v.flags.f_contiguous and not v.flags.c_contiguous:  # column-major file: one column at a time
+                size = v.shape[0] * v.dtype.itemsize
+                for c in range(self.dim):
+                    out[:, c] = np.frombuffer(os.pread(fd, size, v.offset + c * size), dtype=v.dtype)[rows]
+            else:
+                size = self.dim * v.dtype.itemsize
+                for k, r in enumerate(rows):
+                    out[k] = np.frombuffer(os.pread(fd, size, v.offset + int(r) * size), dtype=v.dtype)
+        finally:
+            os.close(fd)
+        return out.astype(np.float32, copy=False)
+
     def lookup(self, words) -> np.ndarray:
         """Rows of ``words`` (first occurrence in the vocabulary), -1 where missing; one call for many words."""
         query = pa.array([w.lower() if self.lowercase else w for w in words], type=pa.string())
