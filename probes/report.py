@@ -9,7 +9,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from probes.extract.cache import atomic_write_text
+from probes.io import atomic_write_text
 
 # Clark et al. 2019, Table 3 (UAS, PTB with Stanford dependencies, bert-base): row -> paper value.
 CLARK_TABLE3 = {"right_branching": 26, "distance_glove": 58, "random_attn_glove": 30, "attn_only": 61, "attn_glove": 77}

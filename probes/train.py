@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from probes.extract.cache import atomic_write_text
+from probes.io import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import random
-import tempfile
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -24,24 +23,12 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from probes.io import atomic_write
+
 log = logging.getLogger(__name__)
 
 # Tables larger than this are written as CSV but not uploaded to wandb as a Table.
 WANDB_TABLE_MAX_ROWS = 50_000
-
-
-def _atomic_write(path: Path, write) -> Path:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _to_plain(cfg: DictConfig) -> dict:
@@ -126,7 +113,7 @@ class AnalysisContext:
     def save_table(self, df, name: str) -> Path:
         """Write ``df`` to ``<output_dir>/<name>.csv`` (atomic) and log it as a wandb Table."""
         path = self.output_dir / f"{name}.csv"
-        _atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
+        atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
         self.files.append(path)
         log.info("wrote %s (%d rows)", path, len(df))
         run = self.wandb_run
@@ -141,7 +128,7 @@ class AnalysisContext:
         import matplotlib.pyplot as plt
 
         path = self.output_dir / f"{name}.png"
-        _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
         self.files.append(path)
         run = self.wandb_run
         if run is not None:
@@ -158,7 +145,7 @@ class AnalysisContext:
         self._summary.update(values)
         path = self.output_dir / "summary.json"
         text = json.dumps(self._summary, indent=1, sort_keys=True)
-        _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
         if path not in self.files:
             self.files.append(path)
         run = self.wandb_run

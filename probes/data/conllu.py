@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from probes.io import atomic_write_text
 
 __all__ = ["ConlluError", "Sentence", "read_conllu", "write_conllu_with_heads"]
 
@@ -185,15 +186,5 @@ def write_conllu_with_heads(
                 line = "\t".join(cols)
             chunks.append(line + "\n")
         chunks.append("\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.writelines(chunks)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(chunks))
     return path

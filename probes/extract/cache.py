@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from probes.io import atomic_write_text
+
 FORMAT_VERSION = 1
 
 
@@ -29,15 +31,6 @@ def cache_key_hash(key: dict) -> str:
 def entry_dir(cache_dir: str | Path, key: dict) -> Path:
     slug = "-".join(str(key[k]) for k in ("encoder", "dataset", "split")).replace("/", "_")
     return Path(cache_dir) / "attention" / f"{slug}-{cache_key_hash(key)}"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ShardWriter:

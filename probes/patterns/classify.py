@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from probes.io import atomic_write_text
 
 from probes.patterns.model import check_map
 
@@ -42,23 +43,6 @@ def read_maps(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
-def atomic_write_json(obj, path: str | os.PathLike) -> Path:
-    p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
-
-
 def classify_file(checkpoint: str | os.PathLike, maps: str | os.PathLike, out: str | os.PathLike,
                   device: str = "cpu", batch_size: int = 512) -> dict[str, str]:
     from probes.patterns.module import load_classifier
@@ -68,5 +52,5 @@ def classify_file(checkpoint: str | os.PathLike, maps: str | os.PathLike, out: s
     keys = list(arrays)
     labels = model.predict_labels([arrays[k] for k in keys], batch_size)
     result = dict(zip(keys, labels))
-    atomic_write_json(result, out)
+    atomic_write_text(out, json.dumps(result, indent=1) + "\n")
     return result

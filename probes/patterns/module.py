@@ -202,9 +202,9 @@ class PatternClassifier(pl.LightningModule):
 
 
 def _write_csv(df, path: Path) -> None:
-    from probes.analysis.context import _atomic_write
+    from probes.io import atomic_write
 
-    _atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
+    atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
 
 
 def load_classifier(checkpoint: str | Path, device: str = "cpu") -> PatternClassifier:
