@@ -190,7 +190,8 @@ def extract(
     if too_long:
         log.warning("%d of %d sentences exceed %d wordpieces and are left out of the cache (policy: skip)",
                     len(too_long), len(sentences), max_length)
-    keep = [i for i in range(len(encoded)) if i not in set(too_long)]
+    skipped = set(too_long)
+    keep = [i for i in range(len(encoded)) if i not in skipped]
     kept = [encoded[i] for i in keep]
     batches = length_batches([e.n_pieces for e in kept], max_tokens, max_batch_size)
     data = SentenceBatches(kept, keep, batches, from_words, to_words, encoder.tokenizer.pad_token_id)
