@@ -12,10 +12,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from probes.analysis.context import AnalysisContext
+from tests.conftest import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-SHARED_DATA = Path(os.environ.get("PROBES_DATA_DIR", REPO.parent / "shared" / "data"))
+SHARED_DATA = shared_data_dir()
 ANALYSES = ("head_stats", "dep_heads", "clustering")
 
 CONLLU = """\

@@ -1,11 +1,11 @@
 """CoNLL-U reader/writer."""
 
-import os
 from pathlib import Path
 
 import pytest
 
 from probes.data.conllu import ConlluError, read_conllu, write_conllu_with_heads
+from tests.conftest import shared_data_dir
 
 SAMPLE = """\
 # newdoc id = doc1
@@ -122,7 +122,7 @@ def test_write_wrong_length(tmp_path):
 
 
 def _data_dir() -> Path:
-    d = Path(os.environ.get("PROBES_DATA_DIR") or Path(__file__).resolve().parents[1] / ".." / "shared" / "data")
+    d = shared_data_dir()
     if not (d / "ud_english_ewt").is_dir():
         pytest.skip(f"shared data not found at {d}")
     return d

@@ -1,6 +1,5 @@
 """Coreference readers, segmentation, baselines and the coref_heads analysis (tiny random BERT)."""
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +12,10 @@ from probes.analysis.context import AnalysisContext
 from probes.data.coref import (CorefDocument, CorefError, CorefSentence, Mention, heuristic_head,
                                parse_entity_field, read_conll2012, read_gum_coref, read_ontogum)
 from probes.encoders import tiny_bert
+from tests.conftest import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("PROBES_DATA_DIR", REPO.parent / "shared" / "data"))
+SHARED = shared_data_dir()
 
 # doc d1: "John saw his dog ." "He liked the dog ." "It barked ."
 # clusters: 1 = John / his / He; 2 = his dog / the dog / It; 5 = a (made-up) singleton 'saw' that

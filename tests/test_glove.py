@@ -1,12 +1,11 @@
 """GloVe loaders."""
 
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from probes.data.glove import WordVectors, load_kumo, load_text
+from tests.conftest import shared_data_dir
 
 TINY = """\
 the 0.1 0.2 0.3
@@ -68,7 +67,7 @@ def test_kumo_and_shared_text_agree():
     kumo = load_kumo()
     assert kumo.vectors.shape == (400000, 50) and kumo.vectors.dtype == np.float32
     assert kumo.index("the") == 0 and kumo.words[0].as_py() == "the"
-    d = Path(os.environ.get("PROBES_DATA_DIR") or Path(__file__).resolve().parents[1] / ".." / "shared" / "data")
+    d = shared_data_dir()
     f = d / "glove" / "glove.6B.50d.ewt-gum-top50k.txt"
     if not f.is_file():
         pytest.skip(f"shared GloVe text not found at {f}")

@@ -2,7 +2,6 @@
 
 import functools
 import hashlib
-import os
 import socket
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from probes.data.sources import ChecksumError, Treebank, ensure_file
+from tests.conftest import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 PAYLOAD = b"1\thello\t_\t_\t_\t_\t0\troot\t_\t_\n\n" * 1000
@@ -112,7 +112,7 @@ def test_treebank(server, tmp_path):
 
 
 def _shared() -> Path:
-    d = Path(os.environ.get("PROBES_DATA_DIR") or REPO / ".." / "shared" / "data")
+    d = shared_data_dir()
     if not (d / "ud_english_ewt").is_dir():
         pytest.skip(f"shared data not found at {d}")
     return d
