@@ -41,22 +41,12 @@ def load_words(split: str, max_sentences: int | None, data_dir: str) -> list[lis
 
 def load_bench_encoder(spec: str):
     """`minilm`: packaged all-MiniLM-L6-v2; `bert-base-random`: bert-base shape, random weights (seed 0)."""
-    from probes.encoders import load_encoder, load_packaged
+    from probes.encoders import load_encoder, load_packaged, random_bert
 
     if spec == "minilm":
         return load_packaged(name="minilm")
     if spec == "bert-base-random":
-        import torch
-        from transformers import BertConfig, BertModel, BertTokenizerFast
-
-        from probes.encoders import Encoder, _freeze, packaged_minilm_path
-
-        tokenizer = BertTokenizerFast.from_pretrained(packaged_minilm_path())
-        config = BertConfig(vocab_size=tokenizer.vocab_size)  # 12 layers x 12 heads, hidden 768
-        config._attn_implementation = "eager"
-        torch.manual_seed(0)
-        model = BertModel(config)
-        return Encoder(_freeze(model), tokenizer, "bert-base-random", "random-seed0")
+        return random_bert(prefix="bert-base-random")  # 12 layers x 12 heads, hidden 768, seed 0
     return load_encoder(spec)
 
 

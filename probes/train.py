@@ -12,12 +12,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from probes.io import atomic_write_text
+from probes.memory import peak_rss_mb, reset_peak_rss, set_mmap_threshold
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Build caches (stage 1), train the probe on them, test the best checkpoint; returns flat metrics."""
+    reset_peak_rss()
+    set_mmap_threshold(cfg.get("malloc_mmap_threshold"))
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()  # stage 1 outside the training Trainer: extract any split not cached yet
@@ -40,7 +43,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if ckpt:
         metrics["best_checkpoint"] = ckpt
     metrics.update(getattr(datamodule, "summary", dict)())
-    metrics["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    metrics["sys/peak_rss_mb"] = peak_rss_mb()  # this job's peak, also within a multirun
     # largest child process (data-loader workers; forked, so most of their pages are shared with this one)
     metrics["sys/peak_rss_children_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     out = Path(cfg.paths.output_dir)

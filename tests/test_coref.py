@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from probes.analysis import coref as A
 from probes.analysis.context import AnalysisContext
-from probes.data.coref import (CorefDocument, CorefError, CorefSentence, Mention, heuristic_head,
+from probes.data.coref import (CorefDocument, CorefError, CorefSentence, heuristic_head,
                                parse_entity_field, read_conll2012, read_gum_coref, read_ontogum)
 from probes.encoders import tiny_bert
 from tests.conftest import shared_data_dir

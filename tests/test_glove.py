@@ -1,10 +1,10 @@
-"""GloVe loaders."""
+"""GloVe loaders and the cached rows of a vocabulary."""
 
 
 import numpy as np
 import pytest
 
-from probes.data.glove import WordVectors, load_kumo, load_text
+from probes.data.glove import TextGlove, WordVectors, load_kumo, load_text, vector_rows
 from tests.conftest import shared_data_dir
 
 TINY = """\
@@ -74,3 +74,34 @@ def test_kumo_and_shared_text_agree():
     text = load_text(f, dim=50)
     assert len(text) == 54943 and text.vectors.shape == (54943, 50)
     np.testing.assert_allclose(text.vectors[text.index("the")], kumo.vectors[0], atol=1e-6)
+
+
+def test_vector_rows_cached_by_vocab_and_file(tmp_path, monkeypatch):
+    p = tmp_path / "tiny.txt"
+    p.write_text(TINY, encoding="utf-8")
+    src = TextGlove(p, dim=3)
+    vocab = ["Cat", "dog", "the"]
+    ids, table = vector_rows(src, vocab, tmp_path / "cache")
+    assert table.shape == (3, 3) and not table[0].any()  # zero row + 2 found words
+    assert ids[1] == 0  # "dog" has no vector
+    np.testing.assert_array_equal(table[ids[0]], np.array([-1, 2.5, 1e-3], np.float32))  # lowercased lookup
+    np.testing.assert_array_equal(table[ids[2]], np.array([0.1, 0.2, 0.3], np.float32))
+    assert len(list((tmp_path / "cache").glob("rows-*.npz"))) == 1
+
+    def no_load():
+        raise AssertionError("a cached vocabulary must not load the vectors")
+
+    monkeypatch.setattr(src, "load", no_load)
+    ids2, table2 = vector_rows(src, vocab, tmp_path / "cache")
+    np.testing.assert_array_equal(ids2, ids)
+    np.testing.assert_array_equal(table2, table)
+    with pytest.raises(AssertionError, match="must not load"):  # another vocabulary is another entry
+        vector_rows(src, vocab + ["cat"], tmp_path / "cache")
+    p.write_text(TINY.replace("0.1", "0.5"), encoding="utf-8")  # a changed file is another entry
+    with pytest.raises(AssertionError, match="must not load"):
+        vector_rows(src, vocab, tmp_path / "cache")
+
+
+def test_text_glove_missing_file_names_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        vector_rows(TextGlove(tmp_path / "nope.txt", dim=3), ["a"], tmp_path)

@@ -47,3 +47,27 @@ def test_multirun_over_probes(chain_data, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sorted((tmp_path / "sweep").glob("*/metrics.json"))
     assert len(runs) == 2 and all("test/uas" in json.loads(p.read_text()) for p in runs)
+
+
+def test_mmap_threshold_is_set_on_glibc():
+    import platform
+
+    from probes.memory import set_mmap_threshold
+
+    assert set_mmap_threshold(None) is False
+    if platform.libc_ver()[0] == "glibc":
+        assert set_mmap_threshold(1 << 18) is True
+
+
+def test_peak_rss_reset_per_job():
+    import numpy as np
+
+    from probes.memory import peak_rss_mb, reset_peak_rss
+
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs on this system")
+    base = peak_rss_mb()
+    a = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
+    assert peak_rss_mb() > base + 150
+    del a
+    assert reset_peak_rss() and peak_rss_mb() < base + 100

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from probes.extract.stage import length_batches
+from probes.extract.stage import length_batches, pad_pieces
 from probes.extract.wordpiece import encode_sentences
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,8 @@ def iter_wordpiece_attention(encoder, sentences: Sequence[Sequence[str]], device
     with torch.inference_mode(), tqdm(total=len(keep), desc=desc, unit="sent", disable=None) as bar:
         for batch in batches:
             items = [encoded[keep[b]] for b in batch]
-            B, T = len(items), max(e.n_pieces for e in items)
-            ids = torch.full((B, T), pad, dtype=torch.long)
-            mask = torch.zeros(B, T, dtype=torch.long)
-            for k, e in enumerate(items):
-                ids[k, :e.n_pieces] = torch.tensor(e.input_ids)
-                mask[k, :e.n_pieces] = 1
+            ids, mask = pad_pieces(items, pad)  # (B, T) each
+            B = len(items)
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_attentions=True)
             attn = torch.stack(list(out.attentions), dim=1).float()  # (B, L, H, T, T)
             for k, e in enumerate(items):

