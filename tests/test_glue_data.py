@@ -97,6 +97,13 @@ def test_mcc_known_confusion_matrix():
     assert got.keys() == {"mcc"} and got["mcc"] == pytest.approx(want, abs=1e-6)
 
 
+def test_mcc_is_zero_for_a_constant_prediction():
+    labels = torch.tensor([1, 1, 1, 0, 1, 0, 1, 1, 1, 1])
+    assert score("cola", _logits([1] * 10), labels)["mcc"] == 0.0
+    assert score("cola", _logits([0] * 10), labels)["mcc"] == 0.0
+    assert score("cola", _logits([1] * 9 + [0]), torch.tensor([1] * 9 + [0]))["mcc"] == pytest.approx(1.0)
+
+
 def test_accuracy_and_f1():
     labels = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
     preds = [1, 1, 1, 0, 0, 0, 0, 0, 0, 1]

@@ -7,16 +7,29 @@ All metrics are fractions (not percentages). Classification metrics take the arg
 from __future__ import annotations
 
 import torch
-from torchmetrics import Accuracy, F1Score, MatthewsCorrCoef, MetricCollection, PearsonCorrCoef, SpearmanCorrCoef
+from torchmetrics import Accuracy, F1Score, MetricCollection, PearsonCorrCoef, SpearmanCorrCoef
+from torchmetrics.classification import BinaryMatthewsCorrCoef
 
 from probes.glue.data import task_spec
+
+
+class MatthewsCorrCoef(BinaryMatthewsCorrCoef):
+    """Binary MCC that is 0 when the labels or the predictions are all one class (as in scikit-learn
+    and the GLUE scorer); torchmetrics returns an eps-based nonzero value there (0.47 for 8 of 10
+    labels right with a constant prediction)."""
+
+    def compute(self) -> torch.Tensor:
+        cm = self.confmat  # (2, 2) [label, prediction]
+        if (cm.sum(0) == 0).any() or (cm.sum(1) == 0).any():
+            return torch.zeros((), device=cm.device)
+        return super().compute()
 
 
 def task_metrics(task: str) -> MetricCollection:
     """A fresh MetricCollection whose keys are the task's metric names (`TaskSpec.metrics`)."""
     name = task_spec(task).name
     if name == "cola":
-        m = {"mcc": MatthewsCorrCoef(task="binary")}
+        m = {"mcc": MatthewsCorrCoef()}
     elif name in ("sst2", "rte"):
         m = {"acc": Accuracy(task="binary")}
     elif name == "mrpc":
