@@ -7,7 +7,8 @@ applies dropout and one linear layer: 2 logits with cross-entropy, or 1 score wi
 AdamW (no weight decay on biases/LayerNorm) with linear warmup then linear decay to 0.
 
 `freeze_encoder: true` is the "pre-trained without fine-tuning" baseline: the encoder (pooler
-included) stays frozen and in eval mode, only the head trains (use a larger `head_lr`).
+included) stays frozen and in eval mode, only the head trains (use a larger `head_lr`; the
+`glue_<task>_frozen` experiments use 3e-2).
 
 Metrics (`probes.glue.metrics`) are logged as `val/<m>`, `test/<m>` and the best validation value
 of the main metric as `val/<main>_best`. The fine-tuned model can be exported in Hugging Face format
