@@ -162,7 +162,8 @@ def random_bert(
             return BertForMaskedLM(config)
         return BertModel(config)
 
-    shape = json.dumps([num_hidden_layers, num_attention_heads, hidden_size, max_position_embeddings])
+    shape = json.dumps([num_hidden_layers, num_attention_heads, hidden_size, intermediate_size,
+                        max_position_embeddings, tokenizer.vocab_size])
     fp = hashlib.sha256(f"{shape}-{seed}-{masked_lm}".encode()).hexdigest()[:12]
     return Encoder(build, tokenizer, f"{prefix}-{fp}", f"random-{fp}", config)
 

@@ -121,3 +121,11 @@ def test_two_process_ddp_extraction_equals_single_process(chain_data, tmp_path):
         assert len(json.loads((b / "manifest.json").read_text())["shards"]) == 2  # one shard per rank
         for i in range(len(ca)):
             np.testing.assert_array_equal(ca[i], cb[i])
+
+
+def test_random_encoder_name_covers_its_shape():
+    """The encoder name is part of the cache key: any architecture change must change it."""
+    from probes.encoders import tiny_bert
+
+    a, b = tiny_bert(intermediate_size=64), tiny_bert(intermediate_size=48)
+    assert a.name != b.name and a.name == tiny_bert(intermediate_size=64).name
