@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from probes.extract.stage import length_batches, pad_pieces
-from probes.extract.wordpiece import encode_sentences
+from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def iter_wordpiece_attention(encoder, sentences: Sequence[Sequence[str]], device
     and logged. Order of the yielded sentences follows length batches, not the input order.
     """
     max_length = max_length or encoder.max_length
-    encoded = encode_sentences(encoder.tokenizer, [list(w) for w in sentences])
+    encoded = encode_words(encoder.tokenizer, [list(w) for w in sentences])
     keep = [i for i, e in enumerate(encoded) if e.n_pieces <= max_length]
     if len(keep) < len(encoded):
         log.warning("%d of %d sentences exceed %d wordpieces and are skipped",

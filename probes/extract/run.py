@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from probes.data.conllu import Sentence
 from probes.data.sources import Treebank
-from probes.encoders import Encoder
+from probes.model.load import Encoder
 from probes.extract.cache import FORMAT_VERSION, AttentionCache
 from probes.extract.stage import extract, resolve_precision
 

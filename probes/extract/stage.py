@@ -12,9 +12,9 @@ import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, Dataset
 
-from probes.encoders import Encoder
+from probes.model.load import Encoder
 from probes.extract import cache as C
-from probes.extract.wordpiece import Encoded, encode_sentences, pool_attention, pooling_matrix
+from probes.model.inputs import Encoded, encode_words, pool_attention, pooling_matrix
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def extract(
         log.info("attention cache hit: %s", final_dir)
         return C.AttentionCache(final_dir)
     max_length = max_length or encoder.max_length
-    encoded = encode_sentences(encoder.tokenizer, sentences)
+    encoded = encode_words(encoder.tokenizer, sentences)
     too_long = [i for i, e in enumerate(encoded) if e.n_pieces > max_length]
     if too_long and long_sentences == "error":
         raise ValueError(f"{len(too_long)} sentences exceed {max_length} wordpieces (first: #{too_long[0]}); "

@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from probes.glue.data import GlueExample, glue_files, read_glue, task_spec
+from probes.data.glue import GlueExample, glue_files, read_glue, task_spec
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from probes.glue.data import GlueExample, task_spec
+from probes.data.glue import GlueExample, task_spec
 from probes.glue.datamodule import Collator, tokenize
 
 

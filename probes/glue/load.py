@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from probes.glue.data import task_spec
+from probes.data.glue import task_spec
 from probes.glue.module import EXPORT_INFO, SequenceClassifier
 
 

@@ -10,7 +10,7 @@ import torch
 from torchmetrics import Accuracy, F1Score, MetricCollection, PearsonCorrCoef, SpearmanCorrCoef
 from torchmetrics.classification import BinaryMatthewsCorrCoef
 
-from probes.glue.data import task_spec
+from probes.data.glue import task_spec
 
 
 class MatthewsCorrCoef(BinaryMatthewsCorrCoef):

@@ -26,7 +26,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from probes.glue.data import task_spec
+from probes.data.glue import task_spec
 from probes.glue.metrics import predictions, task_metrics
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,6 @@ GLUE/treebank inputs, pre-trained or fine-tuned encoder) used by ``analysis=patt
 ``analysis=linguistic_attention``.
 """
 
-from probes.patterns.model import CLASSES
+from probes.patterns.components.cnn import CLASSES
 
 __all__ = ["CLASSES"]

@@ -16,7 +16,7 @@ import numpy as np
 
 from probes.io import atomic_write_text
 
-from probes.patterns.model import check_map
+from probes.patterns.components.cnn import check_map
 
 
 def read_maps(path: str | os.PathLike) -> dict[str, np.ndarray]:

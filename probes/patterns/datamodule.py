@@ -25,7 +25,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from probes.patterns.model import CLASSES, check_map, preprocess
+from probes.patterns.components.cnn import CLASSES, check_map, preprocess
 
 log = logging.getLogger(__name__)
 

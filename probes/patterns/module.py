@@ -1,4 +1,4 @@
-"""LightningModule around :class:`~probes.patterns.model.PatternCNN` (Kovaleva et al. 2019 §3).
+"""LightningModule around :class:`~probes.patterns.components.cnn.PatternCNN` (Kovaleva et al. 2019 §3).
 
 Batches are ``(x, y, index)``: preprocessed maps (B, C, size, size), class indices, and the
 position of each map in the datamodule's id list (for the test predictions file).
@@ -31,7 +31,7 @@ from torchmetrics import MaxMetric, MetricCollection
 from torchmetrics.classification import (MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score,
                                          MulticlassPrecision, MulticlassRecall)
 
-from probes.patterns.model import CLASSES, PatternCNN, preprocess_many
+from probes.patterns.components.cnn import CLASSES, PatternCNN, preprocess_many
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from probes.analysis.naming import head_name
-from probes.glue.data import read_glue, task_spec
+from probes.data.glue import read_glue, task_spec
 import torch
 
 from probes.glue.disable import AttentionDisabler, PrefixCache

@@ -105,7 +105,7 @@ def gradient_flow(model: torch.nn.Module, input_ids: torch.Tensor, from_mat: tor
     """G, G* and head-mean attention of one sentence, pooled to words.
 
     ``input_ids``: (T,) with [CLS]/[SEP]; ``from_mat``/``to_mat``: (W, T) pooling matrices of
-    :func:`probes.extract.wordpiece.pooling_matrix` (``mean`` / ``sum``); None = identity (pieces).
+    :func:`probes.model.inputs.pooling_matrix` (``mean`` / ``sum``); None = identity (pieces).
     Returns float32 CPU tensors ``G`` (L, W, W), ``Gstar`` (L, W, W) (only if ``chain``) and ``A``
     (L, W, W) (head mean of ``M_from A M_to^T``); all indexed ``[layer, output/from t2, input/to t1]``,
     the orientation of an attention map (row = attending token).
@@ -357,42 +357,6 @@ def attribution_distribution(attr: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- comparison helpers
 
 
-def js_divergence(p: torch.Tensor | np.ndarray, q: torch.Tensor | np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """Jensen-Shannon divergence (base 2, in [0, 1]) between distributions along the last axis."""
-    p = np.asarray(p, dtype=np.float64)
-    q = np.asarray(q, dtype=np.float64)
-    p = p / p.sum(-1, keepdims=True)
-    q = q / q.sum(-1, keepdims=True)
-    m = 0.5 * (p + q)
-
-    def kl(a, b):
-        return np.where(a > 0, a * (np.log2(np.maximum(a, eps)) - np.log2(np.maximum(b, eps))), 0.0).sum(-1)
-
-    return np.clip(0.5 * kl(p, m) + 0.5 * kl(q, m), 0.0, 1.0)
-
-
-def _rank(a: np.ndarray) -> np.ndarray:
-    """Average ranks (ties share the mean rank) along the last axis."""
-    from scipy.stats import rankdata
-
-    return rankdata(a, axis=-1, method="average")
-
-
-def spearman_rows(a, b) -> np.ndarray:
-    """Spearman rank correlation of ``a`` and ``b`` along the last axis (NaN where one row is constant)."""
-    ra, rb = _rank(np.asarray(a, dtype=np.float64)), _rank(np.asarray(b, dtype=np.float64))
-    ra = ra - ra.mean(-1, keepdims=True)
-    rb = rb - rb.mean(-1, keepdims=True)
-    den = np.sqrt((ra ** 2).sum(-1) * (rb ** 2).sum(-1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den > 0, (ra * rb).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
-
-
-def top1_agreement(a, b) -> np.ndarray:
-    """1.0 where the argmax of ``a`` and ``b`` along the last axis coincide, else 0.0."""
-    return (np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).astype(np.float64)
-
-
 PATTERNS = ("self", "prev", "next", "cls", "sep", "other")
 
 
@@ -411,46 +375,3 @@ def argmax_patterns(dist: np.ndarray) -> np.ndarray:
                        ("cls", j == 0)):  # later assignments win: cls > sep > self > prev > next
         out = np.where(cond, PATTERNS.index(name), out)
     return out
-
-
-def ols(y: np.ndarray, X: np.ndarray, names: Sequence[str], groups: np.ndarray | None = None) -> list[dict]:
-    """OLS of ``y`` on ``[1, X]`` with classical and (if ``groups``) cluster-robust (CR1) standard errors.
-
-    Returns one dict per coefficient (intercept first): ``term, coef, se, t, p`` (classical, Student t
-    with n - k df) and ``se_cluster, z_cluster, p_cluster`` (CR1 sandwich by group, normal p-values),
-    plus ``n`` and ``n_groups``. Pure numpy/scipy (statsmodels is not a dependency).
-    """
-    from scipy import stats
-
-    y = np.asarray(y, dtype=np.float64)
-    X = np.column_stack([np.ones(len(y)), np.asarray(X, dtype=np.float64).reshape(len(y), -1)])
-    n, k = X.shape
-    XtX_inv = np.linalg.pinv(X.T @ X)
-    beta = XtX_inv @ X.T @ y
-    resid = y - X @ beta
-    dof = max(n - k, 1)
-    sigma2 = resid @ resid / dof
-    se = np.sqrt(np.maximum(np.diag(XtX_inv) * sigma2, 0))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = beta / se
-    p = 2 * stats.t.sf(np.abs(t), dof)
-    se_c = z_c = p_c = np.full(k, np.nan)
-    n_groups = None
-    if groups is not None:
-        groups = np.asarray(groups)
-        uniq, inv = np.unique(groups, return_inverse=True)
-        n_groups = len(uniq)
-        if n_groups > 1:
-            scores = np.zeros((n_groups, k))
-            np.add.at(scores, inv, X * resid[:, None])
-            meat = scores.T @ scores
-            c = n_groups / (n_groups - 1) * (n - 1) / dof
-            V = c * XtX_inv @ meat @ XtX_inv
-            se_c = np.sqrt(np.maximum(np.diag(V), 0))
-            with np.errstate(divide="ignore", invalid="ignore"):
-                z_c = beta / se_c
-            p_c = 2 * stats.norm.sf(np.abs(z_c))
-    names = ["intercept", *names]
-    return [dict(term=names[i], coef=float(beta[i]), se=float(se[i]), t=float(t[i]), p=float(p[i]),
-                 se_cluster=float(se_c[i]), z_cluster=float(z_c[i]), p_cluster=float(p_c[i]), n=int(n),
-                 n_groups=n_groups) for i in range(k)]

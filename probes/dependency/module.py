@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MaxMetric, MetricCollection
 
-from probes.metrics import UAS
+from probes.dependency.metrics import UAS
 
 
 class DependencyProbe(pl.LightningModule):

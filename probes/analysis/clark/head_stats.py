@@ -7,7 +7,7 @@ figures), averaged over attending tokens within a sentence and then over sentenc
 * ``prev`` / ``self`` / ``next``: attention to the previous token / itself / the next token;
 * ``cls`` / ``sep``: total attention to [CLS] / [SEP];
 * ``punct``: total attention to punctuation pieces (only punctuation characters, ``##`` ignored;
-  see :func:`probes.analysis.metrics.is_punct_piece`);
+  see :func:`probes.analysis.clark.metrics.is_punct_piece`);
 * ``entropy``: mean entropy (nats) of the heads' attention distributions over all tokens;
 * ``cls_entropy``: entropy of the distribution of [CLS] alone;
 * ``uniform_entropy``: the Fig 4 reference, mean over sentences of log T (the entropy of uniform
@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from probes.analysis.live import iter_wordpiece_attention
-from probes.analysis.metrics import HEAD_STATS, HeadStatsAccumulator, is_punct_piece
+from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, is_punct_piece
 from probes.analysis.naming import head_name
 
 log = logging.getLogger(__name__)

@@ -76,10 +76,10 @@ class Segment:
 
 def sentence_pieces(tokenizer, docs: list[CorefDocument]) -> list[list[int]]:
     """Wordpieces of every sentence (no [CLS]/[SEP]), tokenized from its words as the cache does."""
-    from probes.extract.wordpiece import encode_sentences
+    from probes.model.inputs import encode_words
 
     flat = [list(s.words) for d in docs for s in d.sentences]
-    enc = encode_sentences(tokenizer, flat) if flat else []
+    enc = encode_words(tokenizer, flat) if flat else []
     out, k = [], 0
     for d in docs:
         out.append([enc[k + i].n_pieces - 2 for i in range(len(d.sentences))])

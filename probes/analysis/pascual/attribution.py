@@ -11,7 +11,7 @@ vectors** (output of ``embeddings.word_embeddings``) by
   kept) or ``pad`` ([PAD]'s embedding except at [CLS]/[SEP]), ``ig_steps`` Riemann-midpoint points.
 
 Both are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
-:mod:`probes.analysis.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
+:mod:`probes.analysis.westera.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
 (method="riemann_middle")`` on the same input (checked on ``captum_check`` random targets per run and
 in the tests; captum itself would need one call per target).
 
@@ -43,10 +43,10 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.gradflow import (PATTERNS, argmax_patterns, attribution_distribution, captum_head_attribution,
+from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution, captum_head_attribution,
                                       head_attributions, hidden_and_attention, ig_baseline, js_divergence,
                                       spearman_rows, top1_agreement)
-from probes.extract.wordpiece import encode_sentences
+from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int = 50, min_words: 
         torch.set_num_threads(int(num_threads))
     enc = ctx.encoder
     sents = ctx.sentences(split)
-    encoded = encode_sentences(enc.tokenizer, [list(s.words) for s in sents])
+    encoded = encode_words(enc.tokenizer, [list(s.words) for s in sents])
     order = sorted((i for i, s in enumerate(sents) if s.n >= min_words and encoded[i].n_pieces <= enc.max_length),
                    key=lambda i: (encoded[i].n_pieces, i))[:max_sentences]
     model = enc.model.to(ctx.device)

@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from probes.analysis.metrics import DIRECTIONS, DepAccumulator
+from probes.analysis.clark.metrics import DIRECTIONS, DepAccumulator
 from probes.analysis.naming import head_name
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ import pandas as pd
 import torch
 
 from probes.analysis.live import iter_wordpiece_attention
-from probes.analysis.metrics import HeadStatsAccumulator, is_punct_piece, js_divergence_matrix
+from probes.analysis.clark.metrics import HeadStatsAccumulator, is_punct_piece
+from probes.analysis.stats import js_divergence_matrix
 from probes.analysis.naming import head_name
 
 log = logging.getLogger(__name__)

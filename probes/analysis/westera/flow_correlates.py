@@ -1,11 +1,11 @@
 """``analysis=flow_correlates``: what the flow measures pick up (Westera 2019), on GUM (``data=gum``).
 
-Flow per sentence and layer as :mod:`probes.analysis.flow` (word level; ``G``, ``Gstar`` = G*, ``A``;
+Flow per sentence and layer as :mod:`probes.analysis.westera.flow` (word level; ``G``, ``Gstar`` = G*, ``A``;
 ``measure[layer, t2, t1]`` = flow from input word t1 to output word t2), on a seeded random subset of
 ``n_sentences`` sentences of ``split`` (paper: 500). Real words only ([CLS]/[SEP] and t1 == t2 left out).
 
 Two contrasts, each per layer and per measure, with token distance controlled for by **OLS**
-(pure numpy/scipy, :func:`probes.analysis.gradflow.ols`; statsmodels is not installed/needed):
+(pure numpy/scipy, :func:`probes.analysis.westera.gradflow.ols`; statsmodels is not installed/needed):
 
 * ``open_class``: all pairs (t1, t2); indicator = t1's gold UPOS is open-class (``open_upos``, default
   NOUN VERB ADJ ADV PROPN) vs closed-class (``closed_upos``, default the UD closed classes ADP AUX
@@ -37,8 +37,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.analysis.flow import sentence_flow
-from probes.analysis.gradflow import ols
+from probes.analysis.westera.flow import sentence_flow
+from probes.analysis.westera.gradflow import ols
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ in the files) and every word pair (``t1`` = input / attended, ``t2`` = output / 
 Scalar reduction (Westera's reference code ``mwestera/bertology`` ``interface_BERT.py``): backward of
 the **sum of the hidden units of h_n(t2)** (``layer.backward(mask)`` with a ones mask on token t2),
 then the **2-norm over the hidden units** of each input token. All output tokens of a layer are
-done in one batched VJP (``torch.func.vjp`` + ``vmap``); see :mod:`probes.analysis.gradflow`.
+done in one batched VJP (``torch.func.vjp`` + ``vmap``); see :mod:`probes.analysis.westera.gradflow`.
 
 Word pooling = the attention cache's: ``A_word = M_mean A M_sum^T`` (FROM a word: mean over its
 pieces; TO a word: sum over its pieces). For G/G* the same matrices are applied to the **gradient
@@ -40,8 +40,8 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.gradflow import gradient_flow
-from probes.extract.wordpiece import encode_sentences, pooling_matrix
+from probes.analysis.westera.gradflow import gradient_flow
+from probes.model.inputs import encode_words, pooling_matrix
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def sentence_flow(encoder, words_list, device: str = "cpu", max_length: int | No
                   chunk_size: int | None = None, level: str = "word", desc: str = "flow"):
     """Yield ``(index, encoded, dict(G, Gstar, A))`` for every sentence (list of words) that fits."""
     max_length = max_length or encoder.max_length
-    encoded = encode_sentences(encoder.tokenizer, [list(w) for w in words_list])
+    encoded = encode_words(encoder.tokenizer, [list(w) for w in words_list])
     model = encoder.model.to(device)
     for i, e in enumerate(tqdm(encoded, desc=desc, unit="sent", disable=None)):
         if e.n_pieces > max_length:

@@ -21,9 +21,9 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.disable_heads import _checkpoints
+from probes.analysis.kovaleva.disable_heads import _checkpoints
 from probes.analysis.naming import head_name
-from probes.glue.data import read_glue
+from probes.data.glue import read_glue
 from probes.glue.evaluate import MODEL_KEYS, make_batches
 from probes.glue.load import load_finetuned
 

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from probes.analysis.naming import head_name
-from probes.glue.data import read_glue, task_spec
+from probes.data.glue import read_glue, task_spec
 from probes.patterns.attention import encode_glue, finetuned_for, iter_attention, model_variants
 
 log = logging.getLogger(__name__)

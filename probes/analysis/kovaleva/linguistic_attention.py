@@ -144,10 +144,10 @@ class FeatureAccumulator:
 
 # ---------------------------------------------------------------------------------------------- inputs
 def treebank_items(tokenizer, sentences) -> list:
-    from probes.extract.wordpiece import encode_sentences
+    from probes.model.inputs import encode_words
     from probes.patterns.attention import Item
 
-    enc = encode_sentences(tokenizer, [list(s.words) for s in sentences])
+    enc = encode_words(tokenizer, [list(s.words) for s in sentences])
     items = []
     for i, (s, e) in enumerate(zip(sentences, enc)):
         wop = [-1 if (w < 0 or w >= e.n_words) else w for w in e.word_of_piece]
@@ -263,7 +263,7 @@ def linguistic_attention(ctx, *, source: str = "treebank", split: str = "dev", t
         label = f"treebank:{ctx.cfg.data.get('name', 'treebank')}"
         variants_path = finetuned_for(finetuned, task) if finetuned else None
     elif source == "glue":
-        from probes.glue.data import read_glue, task_spec
+        from probes.data.glue import read_glue, task_spec
 
         nlp = load_spacy(spacy_model)
         task = task_spec(task).name

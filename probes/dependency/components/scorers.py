@@ -1,6 +1,6 @@
 """Dependency-probe scorers (Clark et al. 2019, section 6): logits over candidate heads.
 
-Every scorer maps a collated batch (see `probes.datamodule.collate`) to logits (B, N, N + 1):
+Every scorer maps a collated batch (see `probes.dependency.datamodule.collate`) to logits (B, N, N + 1):
 row j is dependent word j, column 0 is ROOT and column i + 1 is word i.
 F = 2K attention features per pair (K = encoder layers x heads, both directions); ROOT's feature
 is root_start * attention to/from [CLS] + root_end * attention to/from [SEP] (Clark et al.).

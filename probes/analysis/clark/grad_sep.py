@@ -24,7 +24,7 @@ sequence's own loss*, so a sequence's gradients do not depend on what it is batc
   with ``AutoModelForMaskedLM`` newly initialises ``cls.predictions.*``) raises
   :class:`MissingMLMHeadError`; objectives are never swapped silently.
 * :class:`ClassificationObjective`: an ``AutoModelForSequenceClassification`` folder
-  (``save_pretrained``) scored on GLUE examples read by :func:`probes.glue.data.read_glue`
+  (``save_pretrained``) scored on GLUE examples read by :func:`probes.data.glue.read_glue`
   (``[CLS] a [SEP] (b [SEP])``); loss = cross-entropy (MSE for one-label regression, STS-B).
 
 Outputs: ``grad_sep.csv`` (layer, target, stat, value; 0-based layer; stats ``mean_abs``,
@@ -146,10 +146,10 @@ class MLMObjective:
         return load_masked_lm(ctx.cfg.encoder)
 
     def sequences(self, ctx, tokenizer, split: str, max_examples: int | None, max_length: int) -> list[list[int]]:
-        from probes.extract.wordpiece import encode_sentences
+        from probes.model.inputs import encode_words
 
         sents = ctx.sentences(split, max_examples)
-        enc = encode_sentences(tokenizer, [list(s.words) for s in sents])
+        enc = encode_words(tokenizer, [list(s.words) for s in sents])
         seqs = [e.input_ids for e in enc if e.n_pieces <= max_length and e.n_pieces > 2]
         if len(seqs) < len(enc):
             log.warning("grad_sep/mlm: %d of %d sentences skipped (empty or longer than %d wordpieces)",
@@ -218,7 +218,7 @@ class ClassificationObjective:
 
     def sequences(self, ctx, tokenizer, split: str, max_examples: int | None, max_length: int) -> list[dict]:
         if self.examples is None:
-            from probes.glue.data import read_glue
+            from probes.data.glue import read_glue
 
             data_dir = self.data_dir or ctx.cfg.paths.data_dir
             examples = read_glue(self.task, self.split, data_dir)

