@@ -41,7 +41,7 @@ def load_words(split: str, max_sentences: int | None, data_dir: str) -> list[lis
 
 def load_bench_encoder(spec: str):
     """`minilm`: packaged all-MiniLM-L6-v2; `bert-base-random`: bert-base shape, random weights (seed 0)."""
-    from probes.encoders import load_encoder, load_packaged, random_bert
+    from probes.model.load import load_encoder, load_packaged, random_bert
 
     if spec == "minilm":
         return load_packaged(name="minilm")
@@ -185,7 +185,7 @@ def check(args: dict, precisions: list[str], n: int = 50) -> dict:
     import numpy as np
     import torch
 
-    from probes.extract.wordpiece import encode_sentences, pool_attention, pooling_matrix
+    from probes.model.inputs import encode_words, pool_attention, pooling_matrix
 
     _quiet()
     device = resolve_device(args["device"])
@@ -198,12 +198,12 @@ def check(args: dict, precisions: list[str], n: int = 50) -> dict:
         encoder.model.to("cpu")  # the Trainer may have moved it
         _, _, _, plain = plain_loop(encoder.model, encoder.tokenizer, sentences, "cpu", encoder.max_length,
                                     keep_fp32=True)
-        encoded = encode_sentences(encoder.tokenizer, sentences)
+        encoded = encode_words(encoder.tokenizer, sentences)
         diff, mismatched = 0.0, 0
         for i, (e, a) in enumerate(zip(encoded, plain)):
             if a is None or i not in caches["32-true"]:
                 continue
-            if a.shape[-1] != e.n_pieces:  # plain tokenization differs from encode_sentences' fallback
+            if a.shape[-1] != e.n_pieces:  # plain tokenization differs from encode_words' fallback
                 mismatched += 1
                 continue
             L, H, T, _ = a.shape

@@ -62,7 +62,7 @@ def tiny_cfg(tmp_path):
 
 def test_compose_defaults():
     cfg = _compose([])
-    assert cfg.analysis._target_ == "probes.analysis.head_stats.head_stats"
+    assert cfg.analysis._target_ == "probes.analysis.clark.head_stats.head_stats"
     assert cfg.encoder.name == "all-MiniLM-L6-v2" and cfg.data.name == "ud_english_ewt"
     assert cfg.analysis.split == "dev" and cfg.analysis.max_sentences is None
     assert cfg.logger.use_wandb is True

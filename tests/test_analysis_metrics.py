@@ -1,4 +1,4 @@
-"""Pure attention statistics on synthetic maps (probes.analysis.metrics)."""
+"""Pure attention statistics on synthetic maps (probes.analysis.clark.metrics)."""
 
 import math
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.clustering import classify_heads, mds_embedding
-from probes.analysis.dep_heads import evaluate, tables
-from probes.analysis.head_stats import stats_table
-from probes.analysis.metrics import (
+from probes.analysis.clark.clustering import classify_heads, mds_embedding
+from probes.analysis.clark.dep_heads import evaluate, tables
+from probes.analysis.clark.head_stats import stats_table
+from probes.analysis.clark.metrics import (
     DepAccumulator, HeadStatsAccumulator, entropy, evaluation_positions, is_punct_piece, js_divergence_matrix,
     offset_predictions, predict_heads, sentence_head_stats,
 )

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.gradflow import (PATTERNS, argmax_patterns, attribution_distribution, captum_head_attribution,
+from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution, captum_head_attribution,
                                       head_attributions, head_scalars_fn, input_x_gradient, integrated_gradients,
                                       js_divergence, layer_head_scalars_fn, spearman_rows, top1_agreement,
                                       word_embeddings)
-from probes.encoders import tiny_bert
+from probes.model.load import tiny_bert
 
 
 def test_linear_toy_attributions_are_w_times_x():

@@ -11,7 +11,7 @@ from probes.analysis import coref as A
 from probes.analysis.context import AnalysisContext
 from probes.data.coref import (CorefDocument, CorefError, CorefSentence, heuristic_head,
                                parse_entity_field, read_conll2012, read_gum_coref, read_ontogum)
-from probes.encoders import tiny_bert
+from probes.model.load import tiny_bert
 from tests.conftest import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,10 +239,10 @@ def test_segmentation_never_splits_and_respects_limit():
     segs, too_long = A.segment_document(pieces, max_len, 0, [len(s.words) for s in sents])
     covered = [i for g in segs for i in range(g.first_sentence, g.last_sentence)]
     assert sorted(covered + too_long) == list(range(len(sents)))  # every sentence once, whole
-    from probes.extract.wordpiece import encode_sentences
+    from probes.model.inputs import encode_words
     for g in segs:
         words = [w for s in sents[g.first_sentence:g.last_sentence] for w in s.words]
-        n = encode_sentences(enc.tokenizer, [words])[0].n_pieces
+        n = encode_words(enc.tokenizer, [words])[0].n_pieces
         assert n == g.n_pieces <= max_len
         assert g.word_end - g.word_start == len(words)
     for i in too_long:

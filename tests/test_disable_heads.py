@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from probes.encoders import tiny_bert
+from probes.model.load import tiny_bert
 from probes.extract.stage import self_attention_modules
 from probes.glue.disable import AttentionDisabler
 
@@ -123,8 +123,8 @@ def test_prefix_reuse_equals_full_forward():
 
     from transformers import BertConfig, BertForSequenceClassification
 
-    from probes.analysis.disable_heads import disable_scores
-    from probes.glue.data import GlueExample
+    from probes.analysis.kovaleva.disable_heads import disable_scores
+    from probes.data.glue import GlueExample
     from probes.glue.evaluate import make_batches
 
     enc = tiny_bert(num_hidden_layers=3, num_attention_heads=2)

@@ -9,10 +9,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from probes.encoders import tiny_bert
+from probes.model.load import tiny_bert
 from probes.extract.cache import AttentionCache
 from probes.extract.stage import AttentionExtractor, extract, length_batches
-from probes.extract.wordpiece import encode_sentences, pool_attention, pooling_matrix
+from probes.model.inputs import encode_words, pool_attention, pooling_matrix
 from tests.conftest import ROOT, WORDS, chain_overrides
 
 SENTS = [[WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 9)] for i in range(40)] + [["Unbelievably", "long"]]
@@ -22,7 +22,7 @@ TRAINER = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision=
 
 def reference_maps(enc, words):
     """Word-level maps from a plain full forward with output_attentions (no hooks, no batching)."""
-    (e,) = encode_sentences(enc.tokenizer, [words])
+    (e,) = encode_words(enc.tokenizer, [words])
     out = enc.model(input_ids=torch.tensor([e.input_ids]), output_attentions=True)
     attn = torch.stack(out.attentions, 1)[0]  # (L, H, T, T)
     L, H, T, _ = attn.shape
@@ -82,7 +82,7 @@ def test_interrupted_extraction_leaves_nothing_complete_and_rerun_matches(tmp_pa
 def test_early_stop_hooks_equal_full_forward():
     enc = tiny_bert()
     ex = AttentionExtractor(enc.model)
-    ids = torch.tensor([encode_sentences(enc.tokenizer, [SENTS[3]])[0].input_ids])
+    ids = torch.tensor([encode_words(enc.tokenizer, [SENTS[3]])[0].input_ids])
     hooked = ex._attentions(ids, torch.ones_like(ids))
     full = enc.model(input_ids=ids, output_attentions=True).attentions
     assert len(hooked) == enc.num_layers
@@ -125,7 +125,7 @@ def test_two_process_ddp_extraction_equals_single_process(chain_data, tmp_path):
 
 def test_random_encoder_name_covers_its_shape():
     """The encoder name is part of the cache key: any architecture change must change it."""
-    from probes.encoders import tiny_bert
+    from probes.model.load import tiny_bert
 
     a, b = tiny_bert(intermediate_size=64), tiny_bert(intermediate_size=48)
     assert a.name != b.name and a.name == tiny_bert(intermediate_size=64).name

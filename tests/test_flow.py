@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.flow import correlations, pair_rows
-from probes.analysis.gradflow import (encoder_layers, gradient_flow, gradient_flow_loop, hidden_and_attention, ols)
-from probes.encoders import tiny_bert
-from probes.extract.wordpiece import encode_sentences, pooling_matrix
+from probes.analysis.westera.flow import correlations, pair_rows
+from probes.analysis.westera.gradflow import (encoder_layers, gradient_flow, gradient_flow_loop, hidden_and_attention, ols)
+from probes.model.load import tiny_bert
+from probes.model.inputs import encode_words, pooling_matrix
 
 WORDS = ["the", "qwertyuiop", "cat", "saw", "dogs", "."]
 
 
 def _ids(enc, words=WORDS):
-    e = encode_sentences(enc.tokenizer, [words])[0]
+    e = encode_words(enc.tokenizer, [words])[0]
     return e, torch.tensor(e.input_ids)
 
 

@@ -58,7 +58,7 @@ def _run(cfg, out):
 
 def test_flow_end_to_end(tmp_path):
     cfg = _cfg(tmp_path, "flow")
-    assert cfg.analysis._target_ == "probes.analysis.flow.flow" and cfg.analysis._partial_
+    assert cfg.analysis._target_ == "probes.analysis.westera.flow.flow" and cfg.analysis._partial_
     corr, summ = _run(cfg, tmp_path / "out")
     assert summ["n_sentences"] == 2 and len(summ["rho_G_A_per_layer"]) == 2
     pairs = pd.read_csv(tmp_path / "out" / "flow_pairs.csv")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from probes.glue.data import GlueFormatError, read_glue, task_spec
+from probes.data.glue import GlueFormatError, read_glue, task_spec
 from probes.glue.metrics import score, task_metrics
 from tests.conftest import shared_data_dir
 

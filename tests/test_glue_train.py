@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from probes.analysis.context import AnalysisContext
-from probes.analysis.finetune_cosine import attention_cosine
-from probes.encoders import tiny_bert
+from probes.analysis.kovaleva.finetune_cosine import attention_cosine
+from probes.model.load import tiny_bert
 from probes.glue.evaluate import logits_and_labels, make_batches
 from probes.glue.load import load_finetuned
 from probes.train import train
@@ -80,7 +80,7 @@ def test_mrpc_writes_metrics_and_hf_model(mrpc_run, glue_data):
     ft_hf = load_finetuned(out / "hf_model")
     ft_ckpt = load_finetuned(saved["best_checkpoint"], encoder=enc)
     assert ft_hf.task == ft_ckpt.task == "mrpc"
-    from probes.glue.data import read_glue
+    from probes.data.glue import read_glue
 
     batches = make_batches(ft_hf.tokenizer, read_glue("mrpc", "dev", glue_data), "mrpc", batch_size=5)
     a, labels = logits_and_labels(ft_hf.model, batches)
@@ -137,7 +137,7 @@ def _analyze(analysis, *extra):
 
 def test_cosine_of_a_model_with_itself_is_one():
     enc = tiny_bert(num_hidden_layers=2, num_attention_heads=4)
-    from probes.glue.data import GlueExample
+    from probes.data.glue import GlueExample
 
     ex = [GlueExample(_sent(random.Random(i)), _sent(random.Random(i + 100)), i % 2, i) for i in range(7)]
     batches = make_batches(enc.tokenizer, ex, "mrpc", batch_size=3)  # padded batches

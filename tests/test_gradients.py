@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from probes.analysis import gradients as G
 from probes.analysis.context import AnalysisContext
-from probes.encoders import tiny_bert
+from probes.model.load import tiny_bert
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def test_classification_objective_tiny_saved_model(tmp_path):
     torch.manual_seed(0)
     BertForSequenceClassification(cfg).save_pretrained(tmp_path / "clf")
     enc.tokenizer.save_pretrained(tmp_path / "clf")
-    from probes.glue.data import GlueExample
+    from probes.data.glue import GlueExample
     examples = [GlueExample("a fine film .", None, 1, 0), GlueExample("dull , dull , dull", None, 0, 1),
                 GlueExample("the cat sat .", "a cat was sitting .", 1, 2)]
     obj = G.ClassificationObjective(model_path=str(tmp_path / "clf"), examples=examples)

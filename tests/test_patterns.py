@@ -15,7 +15,7 @@ import torch
 
 from probes.patterns.__main__ import main as patterns_main
 from probes.patterns.datamodule import PatternDataModule, stratified_split
-from probes.patterns.model import CLASSES, preprocess, preprocess_many
+from probes.patterns.components.cnn import CLASSES, preprocess, preprocess_many
 from probes.patterns.module import PatternClassifier, load_classifier
 from tests.conftest import ROOT, compose_train, shared_data_dir
 
@@ -221,7 +221,7 @@ def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
     d.mkdir(parents=True)
     (d / "dev.tsv").write_text(RTE_DEV)
     # a "fine-tuned" model: the tiny BERT saved as a Hugging Face folder
-    from probes.encoders import tiny_bert
+    from probes.model.load import tiny_bert
 
     enc = tiny_bert(max_position_embeddings=128)
     ft = tmp_path / "ft" / "hf_model"

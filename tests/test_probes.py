@@ -1,8 +1,8 @@
 import torch
 
-from probes.datamodule import collate
-from probes.metrics import UAS
-from probes.models.components.dependency import (AttentionGlove, AttentionOnly, DistanceGlove, RightBranching,
+from probes.dependency.datamodule import collate
+from probes.dependency.metrics import UAS
+from probes.dependency.components.scorers import (AttentionGlove, AttentionOnly, DistanceGlove, RightBranching,
                                                  distance_features)
 
 

@@ -1,7 +1,7 @@
 import torch
 
-from probes.encoders import load_packaged
-from probes.extract.wordpiece import encode_sentences, pool_attention, pooling_matrix
+from probes.model.load import load_packaged
+from probes.model.inputs import encode_words, pool_attention, pooling_matrix
 
 
 def test_pooling_matrices_follow_clark():
@@ -24,9 +24,9 @@ def test_pooling_matrices_follow_clark():
     assert torch.isclose(words[0, 0, 0, 1], attn[0, 0, 0, 1:4].sum(), atol=1e-6)
 
 
-def test_encode_sentences_marks_specials_and_unknown_words():
+def test_encode_words_marks_specials_and_unknown_words():
     tok = load_packaged(name="minilm").tokenizer
-    (e,) = encode_sentences(tok, [["Unbelievably", "\x07", "cats"]])
+    (e,) = encode_words(tok, [["Unbelievably", "\x07", "cats"]])
     pieces = tok.convert_ids_to_tokens(e.input_ids)
     assert pieces[0] == "[CLS]" and pieces[-1] == "[SEP]"
     assert e.word_of_piece[0] == -1 and e.word_of_piece[-1] == 3

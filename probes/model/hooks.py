@@ -351,3 +351,30 @@ def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bo
         pre.remove()
         for k in keys:
             _ACTIVE.pop(k, None)
+
+
+@torch.inference_mode()
+def iter_attention(model: nn.Module, items, pad_id: int, device: str = "cpu", layers: Iterable[int] | None = None,
+                   max_tokens: int = 4096, max_batch_size: int = 64, desc: str = "attention", progress: bool = True):
+    """Yield ``(k, (L', H, T_k, T_k) float32 maps)`` for every :class:`~probes.model.inputs.Encoded` ``items[k]``.
+
+    Items are run in length batches (right-padded; padded keys get zero attention, so cropping a map
+    to the item's own length equals running it alone), in batch order, on ``device``; the forward
+    stops after the last layer in ``layers`` (None: all).
+    """
+    from tqdm import tqdm
+
+    from probes.model.inputs import length_batches, pad_encoded
+
+    model = model.to(device)
+    batches = length_batches([it.n_pieces for it in items], max_tokens, max_batch_size)
+    with attention(model, layers, stop=True) as s, \
+            tqdm(total=len(items), desc=desc, unit="seq", disable=None if progress else True) as bar:
+        for batch in batches:
+            its = [items[b] for b in batch]
+            s.run(**{k: v.to(device) for k, v in pad_encoded(its, pad_id).items()})
+            attn = s.attentions().float()  # (B, L', H, T, T)
+            for j, (k, it) in enumerate(zip(batch, its)):
+                t = it.n_pieces
+                yield k, attn[j, :, :, :t, :t]
+            bar.update(len(its))
