@@ -378,3 +378,64 @@ def iter_attention(model: nn.Module, items, pad_id: int, device: str = "cpu", la
                 t = it.n_pieces
                 yield k, attn[j, :, :, :t, :t]
             bar.update(len(its))
+
+
+class PrefixCache:
+    """Reuse the outputs of the blocks below the first changed layer (they cannot change).
+
+    ``outs = PrefixCache.record(model, inputs)`` runs the plain model once and returns ``(result,
+    outputs)``, the outputs of the embeddings and of every block; inside ``with PrefixCache.reuse(model,
+    outputs, first_layer)`` the embeddings and blocks ``< first_layer`` return those stored outputs
+    without computing, and the rest of the model runs as usual. Used by head disabling to score a
+    change in layer l in about (L - l) / L of a forward. Not for shared-weight blocks (ALBERT).
+    """
+
+    @staticmethod
+    def parts(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+        mods = blocks(model)
+        if len(mods) != int(model.config.num_hidden_layers):
+            raise ValueError(f"{type(model).__name__}: blocks are shared across layers; prefix reuse needs one per layer")
+        emb = getattr(model.base_model, "embeddings", None)
+        if emb is None:
+            raise ValueError(f"{type(model).__name__}: no embeddings module")
+        return emb, mods
+
+    @classmethod
+    def supported(cls, model: nn.Module) -> bool:
+        try:
+            cls.parts(model)
+            return True
+        except ValueError:
+            return False
+
+    @classmethod
+    def record(cls, model: nn.Module, inputs: dict):
+        emb, mods = cls.parts(model)
+        outs, handles = [None] * (len(mods) + 1), []
+
+        def keep(j):
+            def hook(module, args, output):
+                outs[j] = output
+            return hook
+
+        handles.append(emb.register_forward_hook(keep(0)))
+        handles += [m.register_forward_hook(keep(j + 1)) for j, m in enumerate(mods)]
+        try:
+            result = model(**model_inputs(model, **inputs))
+        finally:
+            for h in handles:
+                h.remove()
+        return result, outs
+
+    @classmethod
+    @contextmanager
+    def reuse(cls, model: nn.Module, outs: list, first_layer: int):
+        emb, mods = cls.parts(model)
+        shadowed = [emb] + mods[:first_layer]
+        for j, m in enumerate(shadowed):
+            m.forward = (lambda o: (lambda *a, **k: o))(outs[j])
+        try:
+            yield
+        finally:
+            for m in shadowed:
+                del m.forward
