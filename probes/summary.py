@@ -1,7 +1,15 @@
-"""Summaries of finished runs: a Hydra callback that tabulates a multirun's metrics.json files."""
+"""Summary of a multirun, for any task: a Hydra callback that tabulates the jobs' ``metrics.json``.
+
+One row per job folder (named by its overrides), one column per metric the jobs wrote (``*_best``
+and ``test/*`` values; ``sys/*`` and counts left out), and the paper's value where the job's config
+names one (``paper: {value: 77, source: ...}`` in an experiment config). Markdown (``summary.md``)
+and CSV (``summary.csv``) in the sweep folder.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -11,30 +19,67 @@ from omegaconf import DictConfig, OmegaConf
 
 from probes.io import atomic_write_text
 
-# Clark et al. 2019, Table 3 (UAS, PTB with Stanford dependencies, bert-base): row -> paper value.
-CLARK_TABLE3 = {"right_branching": 26, "distance_glove": 58, "random_attn_glove": 30, "attn_only": 61, "attn_glove": 77}
+
+def _job_name(job: Path) -> str:
+    overrides = job / ".hydra" / "overrides.yaml"
+    if overrides.exists():
+        items = [str(o) for o in OmegaConf.load(overrides) if not str(o).startswith("hydra.")]
+        if items:
+            return " ".join(items)
+    return job.name
 
 
-def summarize(sweep_dir: str | Path, columns: tuple[str, ...] = ("val/uas_best", "test/uas", "test/uas_nopunct")) -> str:
-    """Markdown table, one row per run folder holding metrics.json (named by its experiment tag)."""
-    rows = []
-    for m in sorted(Path(sweep_dir).glob("*/metrics.json")):
-        cfg = OmegaConf.load(m.parent / ".hydra" / "config.yaml") if (m.parent / ".hydra").exists() else {}
-        tags = list(cfg.get("tags", [])) if cfg else []
-        name = next((t for t in tags if t in CLARK_TABLE3), m.parent.name)
+def _is_reported(key: str, value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not key.startswith("sys/") and \
+        (key.endswith("_best") or key.startswith("test/"))
+
+
+def collect(sweep_dir: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """(metric columns, rows) of the jobs under ``sweep_dir`` that wrote ``metrics.json``."""
+    rows, columns = [], []
+    for m in sorted(Path(sweep_dir).glob("*/metrics.json"), key=lambda p: p.parent.name):
+        job = m.parent
         metrics = json.loads(m.read_text())
-        rows.append([name, *[f"{100 * metrics[c]:.1f}" if c in metrics else "-" for c in columns],
-                     str(CLARK_TABLE3.get(name, "-"))])
-    head = ["row", *columns, "Clark et al."]
+        cfg = OmegaConf.load(job / ".hydra" / "config.yaml") if (job / ".hydra" / "config.yaml").exists() else {}
+        paper = (cfg.get("paper") or {}) if cfg else {}
+        row = dict(job=_job_name(job), paper=paper.get("value"))
+        for k, v in metrics.items():
+            if _is_reported(k, v):
+                row[k] = float(v)
+                if k not in columns:
+                    columns.append(k)
+        rows.append(row)
+    columns.sort(key=lambda k: (not k.startswith("val/"), k))
+    return columns, rows
+
+
+def summarize(sweep_dir: str | Path) -> tuple[str, str]:
+    """(Markdown table, CSV text) of :func:`collect`; rates in [0, 1] are shown x100 in the Markdown."""
+    columns, rows = collect(sweep_dir)
+    head = ["job", *columns, "paper"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    for r in rows:
+        cells = [r["job"]] + [_fmt(r.get(c)) for c in columns] + ["-" if r["paper"] is None else str(r["paper"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=head, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    return "\n".join(lines) + "\n", buf.getvalue()
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}" if -1.0 <= v <= 1.0 else f"{v:.4g}"
 
 
 class SummaryCallback(Callback):
-    """Writes `<sweep dir>/summary.md` when a multirun ends."""
+    """Writes ``<sweep dir>/summary.md`` and ``summary.csv`` when a multirun ends."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(config.hydra.sweep.dir)
-        table = summarize(sweep)
-        atomic_write_text(sweep / "summary.md", table)
-        print(f"\n{sweep / 'summary.md'}:\n{table}")
+        md, text = summarize(sweep)
+        atomic_write_text(sweep / "summary.md", md)
+        atomic_write_text(sweep / "summary.csv", text)
+        print(f"\n{sweep / 'summary.md'}:\n{md}")

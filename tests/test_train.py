@@ -47,6 +47,14 @@ def test_multirun_over_probes(chain_data, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sorted((tmp_path / "sweep").glob("*/metrics.json"))
     assert len(runs) == 2 and all("test/uas" in json.loads(p.read_text()) for p in runs)
+    md = (tmp_path / "sweep" / "summary.md").read_text().splitlines()
+    assert "val/uas_best" in md[0] and "test/uas" in md[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md[2:]}
+    assert set(rows) == {"probe=attn_only", "probe=attn_glove"}
+    for line in rows.values():  # every metric column holds a number, none is a dash
+        cells = [c.strip() for c in line.strip("| ").split(" | ")]
+        assert all(c != "-" for c in cells[1:-1]), line
+    assert (tmp_path / "sweep" / "summary.csv").read_text().startswith("job,")
 
 
 def test_mmap_threshold_is_set_on_glibc():

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ class AnalysisContext:
         self._wandb_run = None
         self._summary: dict[str, Any] = {}
         self.files: list[Path] = []
+        self.t0 = time.time()
+
+    def seconds(self) -> float:
+        """Wall time since the analysis started, rounded to 0.1 s."""
+        return round(time.time() - self.t0, 1)
 
     # ----------------------------------------------------------------- lazy inputs
     @cached_property
@@ -182,6 +188,8 @@ def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike) -> Any:
     ctx = AnalysisContext(cfg, output_dir)
     fn = instantiate(cfg.analysis)
     try:
-        return fn(ctx)
+        result = fn(ctx)
+        ctx.log_summary({"seconds": ctx.seconds(), "seed": int(cfg.get("seed", 0))})
+        return result
     finally:
         ctx.finish()

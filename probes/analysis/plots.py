@@ -14,6 +14,48 @@ STAT_TITLES = dict(prev="to previous token", self="to self", next="to next token
                    cls_entropy="entropy from [CLS] (nats)")
 
 
+def layer_head_axes(ax, m: np.ndarray, *, cmap: str = "viridis", vmin=None, vmax=None, annotate: str | None = None,
+                    title: str = "", colorbar: bool = True):
+    """Draw one (L, H) layer x head matrix on ``ax`` with 1-based ``layer``/``head`` ticks (layer 1 at the top).
+
+    annotate: a format such as ``"{:.2f}"`` writes each cell's value. Returns the image."""
+    L, H = m.shape
+    im = ax.imshow(m, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
+    if annotate:
+        lo, hi = im.get_clim()
+        for l in range(L):
+            for h in range(H):
+                if np.isfinite(m[l, h]):
+                    light = (m[l, h] - lo) / max(hi - lo, 1e-12) < 0.5
+                    ax.text(h, l, annotate.format(m[l, h]), ha="center", va="center", fontsize=5,
+                            color="w" if light and cmap == "viridis" else "k")
+    ax.set_xticks(range(H), [str(h + 1) for h in range(H)], fontsize=6)
+    ax.set_yticks(range(L), [str(l + 1) for l in range(L)], fontsize=6)
+    ax.set_xlabel("head", fontsize=8)
+    ax.set_ylabel("layer", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=8)
+    if colorbar:
+        ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    return im
+
+
+def layer_head_figure(matrices: dict[str, np.ndarray], ncols: int = 4, **kw):
+    """One :func:`layer_head_axes` panel per named (L, H) matrix; ``kw`` as there (title = the name)."""
+    keys = list(matrices)
+    ncols = min(ncols, len(keys))
+    nrows = int(np.ceil(len(keys) / ncols))
+    L, H = next(iter(matrices.values())).shape
+    fig, axes = plt.subplots(nrows, ncols, figsize=((0.3 * H + 1.8) * ncols, (0.35 * L + 1.6) * nrows),
+                             squeeze=False)
+    for ax, k in zip(axes.flat, keys):
+        layer_head_axes(ax, matrices[k], title=k, **kw)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
 def heatmaps(stats: dict[str, np.ndarray], titles: dict[str, str] | None = None, ncols: int = 4):
     """One layer x head heatmap per stat; axes labelled 1-based (layer 1 at the top)."""
     titles = titles or STAT_TITLES
@@ -24,14 +66,8 @@ def heatmaps(stats: dict[str, np.ndarray], titles: dict[str, str] | None = None,
     for ax, k in zip(axes.flat, keys):
         v = stats[k]
         entropy_like = "entropy" in k
-        im = ax.imshow(v, aspect="auto", cmap="viridis", vmin=None if entropy_like else 0,
-                       vmax=None if entropy_like else max(1e-6, float(np.nanmax(v))))
-        ax.set_title(titles.get(k, k), fontsize=9)
-        ax.set_xticks(range(H), [str(h + 1) for h in range(H)], fontsize=6)
-        ax.set_yticks(range(L), [str(l + 1) for l in range(L)], fontsize=6)
-        ax.set_xlabel("head", fontsize=8)
-        ax.set_ylabel("layer", fontsize=8)
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        layer_head_axes(ax, v, vmin=None if entropy_like else 0,
+                        vmax=None if entropy_like else max(1e-6, float(np.nanmax(v))), title=titles.get(k, k))
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.tight_layout()

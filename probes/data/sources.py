@@ -170,7 +170,7 @@ def _config_for(name: str) -> Path:
         if OmegaConf.load(p).get("name") == name:
             return p
     known = sorted(p.stem for p in CONF_DATA.glob("*.yaml"))
-    raise SystemExit(f"unknown dataset {name!r}; known: {known}")
+    raise KeyError(f"unknown dataset {name!r}; known: {known}")
 
 
 def load_treebank(name: str, data_dir: str | os.PathLike) -> Treebank:
@@ -181,7 +181,7 @@ def load_treebank(name: str, data_dir: str | os.PathLike) -> Treebank:
     cfg_path = _config_for(name)
     cfg = OmegaConf.load(cfg_path)
     if "treebank" not in cfg:
-        raise SystemExit(f"{cfg_path}: no 'treebank' node")
+        raise ValueError(f"{cfg_path}: no 'treebank' node")
     cfg.treebank.data_dir = str(data_dir)
     return instantiate(cfg.treebank)
 
@@ -197,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = args.data_dir or os.environ.get("PROBES_DATA_DIR") or str(REPO_ROOT / "data")
     rc = 0
     for name in args.datasets:
-        tb = load_treebank(name, data_dir)
         try:
+            tb = load_treebank(name, data_dir)
             for split, p in tb.fetch().items():
                 print(f"{tb.name}/{split}: {p}")
-        except (FileNotFoundError, ChecksumError) as e:
+        except (KeyError, ValueError, FileNotFoundError, ChecksumError) as e:
             log.error("%s", e)
             rc = 1
     return rc
