@@ -14,7 +14,7 @@ def layer_head_frame(values: dict[str, np.ndarray], **constants) -> pd.DataFrame
     L, H = next(iter(arrays.values())).shape
     layer, head = np.meshgrid(np.arange(L), np.arange(H), indexing="ij")
     df = pd.DataFrame(dict(layer=layer.ravel(), head=head.ravel()))
-    df.insert(2, "name", [head_name(l, h) for l, h in zip(df.layer, df.head)])
+    df.insert(2, "name", [head_name(l, h) for l, h in zip(df["layer"], df["head"])])
     for k, v in constants.items():
         df[k] = v
     for k, v in arrays.items():
