@@ -68,7 +68,7 @@ def test_compose_defaults():
     assert cfg.logger.use_wandb is True
     for name in ANALYSES:
         a = _compose([f"analysis={name}"]).analysis
-        assert a._partial_ is True and a._target_ == f"probes.analysis.{name}.{name}"
+        assert a._partial_ is True and a._target_ == f"probes.analysis.clark.{name}.{name}"
         assert "split" in a and "max_sentences" in a
 
 
@@ -150,3 +150,45 @@ def test_cli_end_to_end(tmp_path, analysis):
         assert len(emb) == 8 and set(emb.behaviour) <= {"prev", "next", "cls", "sep", "punct", "broad", "other"}
         js = pd.read_csv(out / "js_distances.csv")
         assert len(js) == 64 and (js.js >= 0).all()
+
+
+def test_head_stats_skips_sentences_longer_than_the_encoder(tiny_cfg, tmp_path):
+    """Sentences over encoder.max_length pieces are skipped and counted (s2 has 13 pieces with specials)."""
+    cfg = tiny_cfg("head_stats", "encoder.max_position_embeddings=8")
+    instantiate(cfg.analysis)(AnalysisContext(cfg, tmp_path / "out"))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["n_sentences"], summary["n_skipped"], summary["n_input_sentences"]) == (2, 1, 3)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
+def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
+    """head_stats' live maps == the plain eager model's output_attentions of each sentence alone, for
+    WordPiece, byte-level BPE (<s> ... </s>, 'Ġ,') and SentencePiece ('▁,') families; punctuation
+    pieces found, the specials at 0 and T - 1 never punctuation."""
+    import torch
+    from transformers import AutoModel
+
+    from probes.analysis.clark.head_stats import wordpiece_attention
+    from probes.analysis.clark.metrics import is_punct_piece
+
+    tiny = pytest.importorskip("probes.model.tiny")
+    folder = tiny.tiny_folder(family, root=tmp_path / "models")
+    from probes.model.load import load_encoder
+    enc = load_encoder(str(folder))
+    ref = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
+    sents = [["The", "dog", "barked", "."], ["John", ",", "unbelievably", ",", "sat", "on", "it", "!"], ["Hi"]]
+    seen = set()
+    for i, attn, punct in wordpiece_attention(enc, sents, max_tokens=20, max_batch_size=2):
+        seen.add(i)
+        ids = enc.tokenizer(sents[i], is_split_into_words=True)["input_ids"]
+        T = len(ids)
+        assert attn.shape == (2, 4, T, T)
+        with torch.no_grad():
+            want = torch.stack(ref(input_ids=torch.tensor([ids]), output_attentions=True).attentions)[:, 0]
+        torch.testing.assert_close(attn, want, rtol=1e-4, atol=1e-6)
+        toks = enc.tokenizer.convert_ids_to_tokens(ids)
+        assert not punct[0] and not punct[-1] and len(punct) == T
+        assert punct[1:-1] == [is_punct_piece(t) for t in toks[1:-1]]
+        n_punct = {0: 1, 1: 3, 2: 0}[i]
+        assert sum(punct) == n_punct, (toks, punct)
+    assert seen == {0, 1, 2}

@@ -10,10 +10,11 @@ from probes.analysis.clark.clustering import classify_heads, mds_embedding
 from probes.analysis.clark.dep_heads import evaluate, tables
 from probes.analysis.clark.head_stats import stats_table
 from probes.analysis.clark.metrics import (
-    DepAccumulator, HeadStatsAccumulator, entropy, evaluation_positions, is_punct_piece, js_divergence_matrix,
-    offset_predictions, predict_heads, sentence_head_stats,
+    DepAccumulator, HeadStatsAccumulator, evaluation_positions, is_punct_piece, offset_predictions, piece_strings,
+    piece_text, predict_heads, punct_positions, sentence_head_stats,
 )
 from probes.analysis.naming import head_name
+from probes.analysis.stats import entropy, js_divergence_matrix
 from probes.data.conllu import Sentence
 
 
@@ -39,6 +40,37 @@ def test_punct_pieces():
     assert is_punct_piece("“") and is_punct_piece("$")
     assert not is_punct_piece("[CLS]") and not is_punct_piece("a.") and not is_punct_piece("##") \
         and not is_punct_piece("")
+    # byte-level BPE (Ġ = a space before the piece) and SentencePiece (▁) word-start markers
+    assert is_punct_piece("Ġ,") and is_punct_piece("Ġ.") and is_punct_piece("▁,") and is_punct_piece("▁.")
+    assert is_punct_piece("Ġ--") and is_punct_piece("▁“")
+    assert not is_punct_piece("Ġ") and not is_punct_piece("▁") and not is_punct_piece("Ġa") \
+        and not is_punct_piece("▁the") and not is_punct_piece("<s>") and not is_punct_piece("</s>")
+    assert [piece_text(t) for t in ("##.", "Ġ,", "▁,", "x")] == [".", ",", ",", "x"]
+
+
+class _PieceTokenizer:
+    """convert_ids_to_tokens / convert_tokens_to_string of a fixed piece list (byte-level style)."""
+
+    def __init__(self, pieces, decoded):
+        self.pieces, self.decoded = pieces, decoded
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.pieces[i] for i in ids]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(self.decoded[self.pieces.index(t)] for t in tokens)
+
+
+def test_punct_positions_specials_never_count_and_byte_level_decoding():
+    # specials that look like punctuation to is_punct_piece still never count (positions 0 and T - 1)
+    tok = _PieceTokenizer(["<.>", "Ġhi", "Ġ,", "<|>"], ["<.>", " hi", " ,", "<|>"])
+    assert is_punct_piece("<.>") and is_punct_piece("<|>")
+    assert punct_positions(tok, [0, 1, 2, 3], byte_level=False) == [False, False, True, False]
+    # byte-level: a piece holding a whole non-ASCII character is read as that character; partial bytes stay
+    tok = _PieceTokenizer(["<s>", "ĠâĢľ", "Ġhi", "âĢ", "</s>"], ["<s>", " \u201c", " hi", "\ufffd", "</s>"])
+    assert piece_strings(tok, [0, 1, 2, 3, 4], byte_level=True) == ["<s>", "\u201c", "hi", "âĢ", "</s>"]
+    assert punct_positions(tok, [0, 1, 2, 3, 4], byte_level=True) == [False, True, False, False, False]
+    assert punct_positions(tok, [0, 1, 2, 3, 4], byte_level=False) == [False] * 5
 
 
 def test_prev_head_has_prev_statistic_one():
@@ -175,9 +207,9 @@ def test_js_identical_heads_zero_and_properties():
     assert d[0, 3].item() == pytest.approx(0, abs=1e-9)
     assert torch.allclose(d, d.T) and torch.all(d.diagonal() == 0)
     assert d[0, 1] > 0
-    # disjoint one-hot rows: JS = log 2 per token
+    # disjoint one-hot rows: JS = 1 bit per token (log 2 nats)
     e = torch.stack([torch.eye(5), torch.roll(torch.eye(5), 1, 1)])
-    assert js_divergence_matrix(e)[0, 1].item() == pytest.approx(5 * math.log(2), rel=1e-6)
+    assert js_divergence_matrix(e)[0, 1].item() == pytest.approx(5.0, rel=1e-6)
 
 
 def test_behaviour_labels_and_mds():

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from probes.analysis import coref as A
+from probes.analysis.clark import coref_heads as A
 from probes.analysis.context import AnalysisContext
 from probes.data.coref import (CorefDocument, CorefError, CorefSentence, heuristic_head,
                                parse_entity_field, read_conll2012, read_gum_coref, read_ontogum)

@@ -134,7 +134,7 @@ def _check_head(model, info: dict, head: str, src: str) -> None:
             f"a random head.{note} Alternatives: an encoder whose checkpoint has the head (encoder=bert_base_uncased, "
             f"or encoder.name_or_path=<folder with the head>), a random-weight model (encoder=minilm_random or "
             f"encoder=tiny: random head like the rest), or, for grad_sep, analysis.objective=classification with "
-            f"analysis.objectives.classification.model_path=<fine-tuned model>.")
+            f"analysis.objectives.classification.checkpoint=<fine-tuned run>.")
 
 
 def load_encoder(
@@ -302,7 +302,7 @@ def load_finetuned(checkpoint: str | Path, encoder: Encoder | None = None, task:
         raise FileNotFoundError(f"fine-tuned model not found: {p} is neither a Hugging Face folder (config.json), "
                                 f"a GLUE run folder holding hf_model/, nor a Lightning .ckpt file")
     if task is not None and saved_task is not None:
-        from probes.glue.data import task_spec
+        from probes.data.glue import task_spec
 
         if task_spec(task).name != task_spec(saved_task).name:
             raise ValueError(f"{p} was fine-tuned on {saved_task}, not {task}")

@@ -1,9 +1,11 @@
 """``analysis=clustering``: distances between heads and their 2-D embedding (Clark et al. §5, Fig 6).
 
 Wordpiece level (as Clark, who used wordpiece maps of unlabeled text), live encoder, each sentence
-alone as ``[CLS] s [SEP]``. The distance between heads a and b is the Jensen-Shannon divergence
-(nats) of their attention distributions summed over every attending token of every sentence
-(``js`` column; ``js_per_token`` divides by the number of tokens). The symmetric matrix is
+alone as ``[CLS] s [SEP]`` (the family's special tokens; sentences longer than ``encoder.max_length``
+pieces are skipped and counted). The distance between heads a and b is the Jensen-Shannon
+divergence (bits, :func:`probes.analysis.stats.js_divergence_matrix`; at most 1 per token) of their
+attention distributions summed over every attending token of every sentence (``js`` column;
+``js_per_token`` divides by the number of tokens). The symmetric matrix is
 embedded in 2-D by metric multidimensional scaling (scikit-learn ``MDS`` on the precomputed
 dissimilarities, seeded).
 
@@ -29,10 +31,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.analysis.live import iter_wordpiece_attention
-from probes.analysis.clark.metrics import HeadStatsAccumulator, is_punct_piece
-from probes.analysis.stats import js_divergence_matrix
+from probes.analysis.clark.head_stats import wordpiece_attention
+from probes.analysis.clark.metrics import HeadStatsAccumulator
 from probes.analysis.naming import head_name
+from probes.analysis.stats import js_divergence_matrix
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +108,15 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max
     L, H = enc.num_layers, enc.num_heads
     K = L * H
     sentences = ctx.sentences(split, max_sentences)
-    total = torch.zeros(K, K, dtype=torch.float64)
+    total = torch.zeros(K, K, dtype=torch.float64)  # (K, K) JS divergences in bits, summed over tokens
     stats_acc = HeadStatsAccumulator()
     n_tokens = 0
-    for item in iter_wordpiece_attention(enc, [s.words for s in sentences], device=ctx.device,
-                                         max_tokens=max_tokens, max_batch_size=max_batch_size, desc="clustering"):
-        T = item.attn.shape[-1]
-        total += js_divergence_matrix(item.attn.reshape(K, T, T)).cpu()
-        stats_acc.add(item.attn, [is_punct_piece(t) for t in item.tokens])
+    for _, attn, punct in wordpiece_attention(enc, [s.words for s in sentences], device=ctx.device,
+                                              max_tokens=max_tokens, max_batch_size=max_batch_size,
+                                              desc="clustering"):
+        T = attn.shape[-1]  # attn (L, H, T, T)
+        total += js_divergence_matrix(attn.reshape(K, T, T)).cpu()
+        stats_acc.add(attn, punct)
         n_tokens += T
     dist = total.numpy()
     la, ha = np.divmod(np.arange(K), H)
@@ -139,8 +142,9 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max
     off_diag = ~np.eye(K, dtype=bool)
     nn = np.where(off_diag, dist, np.inf).argmin(1)
     ctx.log_summary(dict(
-        analysis="clustering", split=split, encoder=enc.name, level="wordpiece",
-        n_sentences=stats_acc.n, n_tokens=n_tokens, mds_stress=stress, mds_stress1=kruskal_stress(dist, coords),
+        analysis="clustering", split=split, encoder=enc.name, level="wordpiece", js_unit="bits",
+        n_sentences=stats_acc.n, n_skipped=len(sentences) - stats_acc.n, n_tokens=n_tokens, mds_stress=stress,
+        mds_stress1=kruskal_stress(dist, coords),
         mean_js_per_token_same_layer=float(dist[same & off_diag].mean() / max(n_tokens, 1)) if L * H > L else None,
         mean_js_per_token_other_layer=float(dist[~same].mean() / max(n_tokens, 1)) if L > 1 else None,
         nearest_neighbour_same_layer=float((la[nn] == la).mean()),

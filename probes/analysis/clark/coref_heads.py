@@ -358,20 +358,22 @@ def coref_cache(ctx, docs, segments, dataset: str, split: str, digest: str, max_
     from hydra.utils import instantiate
 
     from probes.extract.cache import FORMAT_VERSION
-    from probes.extract.stage import extract, resolve_precision
+    from probes.extract.precision import resolve_precision
+    from probes.extract.stage import extract
 
     cfg = ctx.cfg.extract
     cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    enc = ctx.encoder
+    words = [[w for s in docs[g.doc].sentences[g.first_sentence:g.last_sentence] for w in s.words] for g in segments]
     trainer_cfg = cfg.pop("trainer")
-    precision = resolve_precision(cfg.pop("precision"), trainer_cfg.get("accelerator", "auto"))
+    precision = resolve_precision(cfg.pop("precision"), trainer_cfg.get("accelerator", "auto"), enc,
+                                  sentences=words, cache_dir=ctx.cfg.paths.cache_dir)
     cfg["max_length"] = max_length
     cfg["long_sentences"] = "error"  # segments are built to fit
-    enc = ctx.encoder
     key = dict(format_version=FORMAT_VERSION, encoder=enc.name, revision=enc.fingerprint,
                dataset=f"{dataset}-coref-segments", split=split, data_sha256=digest, max_documents=max_documents,
                segmentation=f"greedy-whole-sentences-v{SEGMENT_FORMAT}", max_length=max_length,
                from_words=cfg["from_words"], to_words=cfg["to_words"], precision=precision, storage="float16")
-    words = [[w for s in docs[g.doc].sentences[g.first_sentence:g.last_sentence] for w in s.words] for g in segments]
     trainer = instantiate(trainer_cfg, precision=precision, _partial_=True)
     return extract(enc, words, key, ctx.cfg.paths.cache_dir, trainer, **cfg)
 

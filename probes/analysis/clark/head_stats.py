@@ -1,13 +1,16 @@
 """``analysis=head_stats``: surface-level attention statistics per head (Clark et al. §3, Figs 1, 2, 4).
 
 Wordpiece level, live encoder, each sentence alone as ``[CLS] s [SEP]`` (tokenized from the
-treebank words). For every head (0-based ``layer``, ``head`` in files; 1-based ``layer-head`` in
-figures), averaged over attending tokens within a sentence and then over sentences (as Clark's code):
+treebank words; [CLS] / [SEP] stand for the family's first and last special tokens, e.g. <s> / </s>,
+always at positions 0 and T - 1). Sentences longer than ``encoder.max_length`` pieces are skipped
+(counted in the log and in ``summary.json``). For every head (0-based ``layer``, ``head`` in files;
+1-based ``layer-head`` in figures), averaged over attending tokens within a sentence and then over
+sentences (as Clark's code):
 
 * ``prev`` / ``self`` / ``next``: attention to the previous token / itself / the next token;
 * ``cls`` / ``sep``: total attention to [CLS] / [SEP];
-* ``punct``: total attention to punctuation pieces (only punctuation characters, ``##`` ignored;
-  see :func:`probes.analysis.clark.metrics.is_punct_piece`);
+* ``punct``: total attention to punctuation pieces (only punctuation characters once the piece
+  marker ``##`` / ``Ġ`` / ``▁`` is stripped; see :func:`probes.analysis.clark.metrics.is_punct_piece`);
 * ``entropy``: mean entropy (nats) of the heads' attention distributions over all tokens;
 * ``cls_entropy``: entropy of the distribution of [CLS] alone;
 * ``uniform_entropy``: the Fig 4 reference, mean over sentences of log T (the entropy of uniform
@@ -21,13 +24,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
+import torch
 
-from probes.analysis.live import iter_wordpiece_attention
-from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, is_punct_piece
+from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, punct_positions
 from probes.analysis.naming import head_name
+from probes.model import hooks
+from probes.model.families import is_byte_level
+from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +57,30 @@ def by_layer(df: pd.DataFrame) -> pd.DataFrame:
     return (df.groupby(["layer", "stat"], sort=True)["value"].agg(["mean", "min", "max"]).reset_index())
 
 
+def wordpiece_attention(encoder, sentences, device: str = "cpu", max_tokens: int = 4096, max_batch_size: int = 64,
+                        desc: str = "attention") -> Iterator[tuple[int, torch.Tensor, list[bool]]]:
+    """Yield ``(index, attn (L, H, T, T) float32 on device, punct (T,))`` for every sentence (list of
+    words) that fits ``encoder.max_length`` pieces, each alone as ``[CLS] s [SEP]``, in length-batch
+    order; longer ones are skipped (logged). ``index`` is the sentence's position in ``sentences``."""
+    tok = encoder.tokenizer
+    encoded = encode_words(tok, [list(w) for w in sentences])
+    keep = [i for i, e in enumerate(encoded) if e.n_pieces <= encoder.max_length]
+    if len(keep) < len(encoded):
+        log.warning("%d of %d sentences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
+                    len(encoded), encoder.max_length)
+    byte_level = is_byte_level(tok)
+    items = [encoded[i] for i in keep]
+    for k, attn in hooks.iter_attention(encoder.model, items, tok.pad_token_id, device=device, max_tokens=max_tokens,
+                                        max_batch_size=max_batch_size, desc=desc):
+        yield keep[k], attn, punct_positions(tok, items[k].input_ids, byte_level)
+
+
 def compute(encoder, sentences, device: str = "cpu", **batching) -> HeadStatsAccumulator:
+    """:class:`HeadStatsAccumulator` over the sentences (treebank ``Sentence`` objects) that fit."""
     acc = HeadStatsAccumulator()
-    for item in iter_wordpiece_attention(encoder, [s.words for s in sentences], device=device,
-                                         desc="head_stats", **batching):
-        acc.add(item.attn, [is_punct_piece(t) for t in item.tokens])
+    for _, attn, punct in wordpiece_attention(encoder, [s.words for s in sentences], device=device,
+                                              desc="head_stats", **batching):
+        acc.add(attn, punct)
     return acc
 
 
@@ -85,7 +111,7 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, max
         top[k] = [dict(name=head_name(*np.unravel_index(i, v.shape)), value=float(v.flat[i])) for i in flat]
     per_layer = {k: [float(x) for x in v.mean(1)] for k, v in stats.items()}
     ctx.log_summary(dict(analysis="head_stats", split=split, encoder=ctx.encoder.name,
-                         n_sentences=acc.n, n_input_sentences=len(sentences),
+                         n_sentences=acc.n, n_input_sentences=len(sentences), n_skipped=len(sentences) - acc.n,
                          uniform_entropy=acc.uniform_entropy, per_layer_mean=per_layer, top_heads=top,
                          seconds=round(time.time() - t0, 1)))
     log.info("head_stats: %d sentences in %.1fs", acc.n, time.time() - t0)

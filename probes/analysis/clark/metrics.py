@@ -2,8 +2,9 @@
 
 Shapes: ``attn`` is ``(L, H, T, T)`` (or ``(K, T, T)`` with K = L * H flattened heads); rows are the
 attending (from) position, columns the attended (to) position, each row a distribution.
-Wordpiece maps have [CLS] at position 0 and [SEP] at T - 1; word maps (the attention cache) have
-side W = n + 2 with [CLS] at 0, words 1..n, [SEP] at n + 1. Heads and predictions of words are
+Wordpiece maps have the family's first special token ([CLS] / <s>) at position 0 and its last
+([SEP] / </s>) at T - 1 (called [CLS] / [SEP] below); word maps (the attention cache) have side
+W = n + 2 with [CLS] at 0, words 1..n, [SEP] at n + 1. Heads and predictions of words are
 1-based word indices (0 = root), as in CoNLL-U.
 """
 
@@ -23,15 +24,56 @@ DIRECTIONS = ("dep2head", "head2dep")  # row of the dependent / column of the de
 
 
 # ------------------------------------------------------------------------------------------ §3
+# Markers a tokenizer puts on pieces: WordPiece continuation, byte-level BPE word start (space),
+# SentencePiece word start.
+PIECE_MARKERS = ("##", "\u0120", "\u2581")  # "##", "Ġ", "▁"
+
+
+def piece_text(token: str) -> str:
+    """The piece without its tokenizer's marker: ``##.`` / ``Ġ,`` / ``▁,`` -> ``.`` / ``,`` / ``,``."""
+    for m in PIECE_MARKERS:
+        if token.startswith(m):
+            return token[len(m):]
+    return token
+
+
 def is_punct_piece(token: str) -> bool:
-    """A wordpiece made of punctuation characters only (``##`` continuation prefix ignored).
+    """A piece made of punctuation characters only, once its marker is stripped (:func:`piece_text`:
+    WordPiece ``##``, byte-level BPE ``Ġ``, SentencePiece ``▁``).
 
     Punctuation = Unicode category P* or ASCII ``string.punctuation`` (which adds symbols such as
-    ``$ + < = > ^ ` | ~``); special tokens like ``[CLS]`` are not punctuation.
+    ``$ + < = > ^ ` | ~``); special tokens like ``[CLS]`` / ``<s>`` / ``</s>`` are not punctuation.
     """
-    if token.startswith("##"):
-        token = token[2:]
+    token = piece_text(token)
     return bool(token) and all(c in string.punctuation or unicodedata.category(c).startswith("P") for c in token)
+
+
+def piece_strings(tokenizer, ids: Sequence[int], byte_level: bool | None = None) -> list[str]:
+    """The pieces of ``ids`` (T,) as :func:`is_punct_piece` reads them: ``convert_ids_to_tokens``; for
+    byte-level BPE the piece's own characters (``ĠâĢľ`` -> ``“``) unless it holds part of a character.
+    ``byte_level``: :func:`probes.model.families.is_byte_level` of the tokenizer (computed if None;
+    pass it when calling per sentence, it parses the tokenizer's JSON)."""
+    if byte_level is None:
+        from probes.model.families import is_byte_level
+
+        byte_level = is_byte_level(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(ids))
+    if not byte_level:
+        return tokens
+    out = []
+    for t in tokens:
+        text = tokenizer.convert_tokens_to_string([t]).strip()
+        out.append(t if "\ufffd" in text or not text else text)
+    return out
+
+
+def punct_positions(tokenizer, ids: Sequence[int], byte_level: bool | None = None) -> list[bool]:
+    """(T,) punctuation pieces of one ``[first special] pieces [last special]`` sequence; the two
+    specials (positions 0 and T - 1) never count, whatever their strings."""
+    punct = [is_punct_piece(t) for t in piece_strings(tokenizer, ids, byte_level)]
+    if punct:
+        punct[0] = punct[-1] = False
+    return punct
 
 
 def sentence_head_stats(attn: torch.Tensor, punct: torch.Tensor | Sequence[bool]) -> dict[str, torch.Tensor]:
