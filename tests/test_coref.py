@@ -264,9 +264,9 @@ def test_coref_heads_end_to_end_tiny(tmp_path):
     data = tmp_path / "data" / "ud_english_gum"
     data.mkdir(parents=True)
     (data / "en_gum-ud-dev.conllu").write_text(CONLLU + CONLLU_CROSS)
-    cfg = _compose(["analysis=coref_heads", "encoder=tiny", "data=gum", f"paths.data_dir={tmp_path / 'data'}",
+    cfg = _compose(["analysis=coref_heads", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}",
                     f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false",
-                    "data.treebank.download=false", "data.treebank.sha256=null", "extract.precision=32-true",
+                    "analysis.gum.download=false", "analysis.gum.sha256=null", "extract.precision=32-true",
                     "extract.trainer.accelerator=cpu", "analysis.max_length=8"])
     from hydra.utils import instantiate
     ctx = AnalysisContext(cfg, tmp_path / "out", use_wandb=False)

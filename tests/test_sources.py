@@ -11,7 +11,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from probes.data.sources import ChecksumError, Treebank, ensure_file
+from probes.data.sources import ChecksumError, Treebank, ensure_file, load_treebank
 from tests.conftest import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,22 +121,21 @@ def _shared() -> Path:
 @pytest.mark.slow
 def test_treebank_from_config():
     d = _shared()
-    cfg = OmegaConf.load(REPO / "conf" / "data" / "ewt.yaml")
-    cfg.treebank.data_dir = str(d)
-    tb = instantiate(cfg.treebank)
-    assert isinstance(tb, Treebank) and tb.name == cfg.name
+    cfg = OmegaConf.load(REPO / "conf" / "treebank" / "ewt.yaml")
+    cfg.data_dir = str(d)
+    tb = instantiate(cfg)
+    assert isinstance(tb, Treebank) and tb.name == cfg.name == "ud_english_ewt"
     assert tb.path("test") == d / "ud_english_ewt" / "en_ewt-ud-test.conllu"
     assert len(tb.read("test")) == 2077
-    assert tb.file_sha256("test") == cfg.treebank.sha256.test
+    assert tb.file_sha256("test") == cfg.sha256.test
+    assert load_treebank("ewt", d).path("test") == tb.path("test")
 
 
 @pytest.mark.slow
 def test_config_pins_match_shared():
     d = _shared()
     for name, pinned in [("ewt", {"train", "dev", "test"}), ("gum", {"dev", "test"})]:
-        cfg = OmegaConf.load(REPO / "conf" / "data" / f"{name}.yaml")
-        cfg.treebank.data_dir = str(d)
-        tb = instantiate(cfg.treebank)
+        tb = load_treebank(name, d)
         assert set(tb.sha256) == pinned and set(tb.urls) == {"train", "dev", "test"}
         for split in pinned:
             assert tb.file_sha256(split) == tb.sha256[split], (name, split)

@@ -22,7 +22,7 @@ __all__ = ["ChecksumError", "Treebank", "ensure_file", "sha256_file", "main"]
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DATA = REPO_ROOT / "conf" / "data"
+CONF_TREEBANK = REPO_ROOT / "conf" / "treebank"
 TIMEOUT_S = 60.0
 CHUNK = 1 << 20
 
@@ -161,35 +161,35 @@ class Treebank:
 
 
 def _config_for(name: str) -> Path:
-    direct = CONF_DATA / f"{name}.yaml"
+    direct = CONF_TREEBANK / f"{name}.yaml"
     if direct.is_file():
         return direct
     from omegaconf import OmegaConf
 
-    for p in sorted(CONF_DATA.glob("*.yaml")):
+    for p in sorted(CONF_TREEBANK.glob("*.yaml")):
         if OmegaConf.load(p).get("name") == name:
             return p
-    known = sorted(p.stem for p in CONF_DATA.glob("*.yaml"))
+    known = sorted(p.stem for p in CONF_TREEBANK.glob("*.yaml"))
     raise KeyError(f"unknown dataset {name!r}; known: {known}")
 
 
 def load_treebank(name: str, data_dir: str | os.PathLike) -> Treebank:
-    """Instantiate the ``treebank`` node of ``conf/data/<name>.yaml`` with ``data_dir``."""
+    """Instantiate ``conf/treebank/<name>.yaml`` (or the one whose ``name`` is ``name``) with ``data_dir``."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     cfg_path = _config_for(name)
     cfg = OmegaConf.load(cfg_path)
-    if "treebank" not in cfg:
-        raise ValueError(f"{cfg_path}: no 'treebank' node")
-    cfg.treebank.data_dir = str(data_dir)
-    return instantiate(cfg.treebank)
+    if "_target_" not in cfg:
+        raise ValueError(f"{cfg_path}: not a treebank node (no _target_)")
+    cfg.data_dir = str(data_dir)
+    return instantiate(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m probes.data.sources ewt gum [--data-dir DIR]``."""
     ap = argparse.ArgumentParser(prog="python -m probes.data.sources", description=__doc__)
-    ap.add_argument("datasets", nargs="+", help="config names under conf/data (e.g. ewt gum)")
+    ap.add_argument("datasets", nargs="+", help="config names under conf/treebank (e.g. ewt gum)")
     ap.add_argument("--data-dir", default=None,
                     help="target folder (default: $PROBES_DATA_DIR or <repo>/data)")
     args = ap.parse_args(argv)

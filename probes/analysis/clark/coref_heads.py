@@ -315,28 +315,18 @@ def _sha(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _gum_treebank(ctx):
-    """The UD GUM treebank: ``cfg.data`` when it is GUM, else ``conf/data/gum.yaml``."""
-    if "gum" in str(ctx.cfg.data.treebank.get("name", "")).lower():
-        return ctx.treebank
-    from probes.data.sources import load_treebank
-
-    log.info("data=%s is not GUM; reading UD GUM from conf/data/gum.yaml", ctx.cfg.data.get("name"))
-    return load_treebank("gum", ctx.cfg.paths.data_dir)
-
-
-def load_documents(ctx, source: str, split: str, max_documents: int | None,
+def load_documents(ctx, gum, source: str, split: str, max_documents: int | None,
                    ontogum_dir: str = "gum_coref_ontogum", litbank_dir: str = "litbank_coref/conll"):
-    """(documents with singletons removed, dataset name, data digest, files)."""
+    """(documents with singletons removed, dataset name, data digest, files); ``gum``: the UD GUM Treebank."""
     from probes.data import coref as C
 
     data_dir = Path(ctx.cfg.paths.data_dir)
     if source == "gum":
-        tb = _gum_treebank(ctx)
+        tb = gum
         path = tb.ensure(split)
         docs, files, name = C.read_gum_coref(path), [path], "gum"
     elif source == "ontogum":
-        tb = _gum_treebank(ctx)
+        tb = gum
         conll = data_dir / ontogum_dir / f"ontogum_{split}.conll"
         ud = tb.ensure(split)
         docs, files, name = C.read_ontogum(conll, ud), [conll, ud], "ontogum"
@@ -379,12 +369,14 @@ def coref_cache(ctx, docs, segments, dataset: str, split: str, digest: str, max_
 
 
 # ----------------------------------------------------------------------------- entry point
-def coref_heads(ctx, *, source: str = "gum", split: str = "dev", max_documents: int | None = None,
+def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_documents: int | None = None,
                 max_length: int | None = None, ontogum_dir: str = "gum_coref_ontogum",
                 litbank_dir: str = "litbank_coref/conll") -> pd.DataFrame:
-    """Evaluate every head on antecedent selection; save the tables and the figure; return coref_table."""
+    """Evaluate every head on antecedent selection; save the tables and the figure; return coref_table.
+
+    ``gum``: the UD GUM treebank (``conf/treebank/gum.yaml``; sentences for ``source=gum|ontogum``)."""
     t0 = time.time()
-    docs, dataset, split, digest = load_documents(ctx, source, split, max_documents, ontogum_dir, litbank_dir)
+    docs, dataset, split, digest = load_documents(ctx, gum, source, split, max_documents, ontogum_dir, litbank_dir)
     enc = ctx.encoder
     max_length = int(max_length or enc.max_length)
     pieces = sentence_pieces(enc.tokenizer, docs)
