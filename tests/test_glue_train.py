@@ -14,7 +14,7 @@ from probes.analysis.context import AnalysisContext
 from probes.analysis.kovaleva.finetune_cosine import attention_cosine
 from probes.model.load import tiny_bert
 from probes.glue.evaluate import logits_and_labels, make_batches
-from probes.glue.load import load_finetuned
+from probes.model.load import load_finetuned
 from probes.train import train
 from tests.conftest import ROOT, compose_train
 
@@ -51,7 +51,7 @@ def _overrides(task, data_dir, out):
     return [f"experiment=glue_{task}", "encoder=tiny", "logger=none", f"paths.data_dir={data_dir}",
             f"paths.output_dir={out}", "trainer.max_epochs=2", "trainer.accelerator=cpu",
             "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "data.batch_size=8",
-            "probe.lr=1e-3"]
+            "probe.optimizer.lr=1e-3"]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,26 @@ def test_frozen_baseline_trains_only_the_head(glue_data, tmp_path):
     for k, v in before.encoder.state_dict().items():
         assert torch.equal(state[f"encoder.{k}"], v), k
     assert not torch.equal(state["head.weight"], before.head.weight)
+
+
+@pytest.mark.parametrize("family", ["distilbert", "roberta"])
+def test_other_families_fine_tune(glue_data, tmp_path, family):
+    """Any family: DistilBERT (no pooler, no token types) needs pooling=cls, and the error names the option;
+    RoBERTa (pooler, no classifier Linear) exports the encoder + head.pt."""
+    over = [o for o in _overrides("mrpc", glue_data, tmp_path / "out") if not o.startswith("encoder=")]
+    over += ["encoder=tiny_family", f"encoder.family={family}", f"paths.cache_dir={tmp_path / 'cache'}",
+             "trainer.max_epochs=1"]
+    if family == "distilbert":
+        from hydra.errors import InstantiationException
+
+        with pytest.raises((ValueError, InstantiationException), match="probe.pooling=cls"):
+            instantiate(compose_train(over).probe)
+        over.append("probe.pooling=cls")
+    m = train(compose_train(over))
+    assert 0.0 <= m["val/f1_best"] <= 1.0 and 0.0 <= m["test/acc"] <= 1.0
+    assert (tmp_path / "out" / "hf_model" / "head.pt").is_file()
+    state = torch.load(m["best_checkpoint"], map_location="cpu", weights_only=False)
+    assert state["hyper_parameters"]["pooling"] == ("cls" if family == "distilbert" else "pooler")
 
 
 def test_experiment_variants_compose():

@@ -74,7 +74,7 @@ def test_cnn_overfits_a_handful_of_maps():
     rng = np.random.default_rng(0)
     kinds = [CLASSES[i % len(CLASSES)] for i in range(10)]
     maps = [synthetic_map(k, int(rng.integers(12, 50)), rng) for k in kinds]
-    module = PatternClassifier(dropout=0.0, class_weighting="none", cosine=False, lr=3e-3)
+    module = PatternClassifier(dropout=0.0, class_weighting="none")
     x = module.preprocess(maps)
     y = torch.tensor([CLASSES.index(k) for k in kinds])
     opt = torch.optim.AdamW(module.parameters(), lr=3e-3)
@@ -230,8 +230,8 @@ def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="analyze", overrides=[
             "analysis=pattern_types", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}", "logger.use_wandb=false",
-            f"analysis.checkpoint={metrics['best_checkpoint']}", "analysis.task=rte", "analysis_device=cpu",
-            f"analysis.finetuned={ft.parent}", "analysis.min_length=16"])
+            f"analysis.classifier={metrics['best_checkpoint']}", "analysis.task=rte", "analysis_device=cpu",
+            f"analysis.checkpoint={ft.parent}", "analysis.min_length=16"])
     out = tmp_path / "out"
     run_analysis(cfg, out)
     df = pd.read_csv(out / "pattern_types.csv")

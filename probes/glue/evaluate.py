@@ -6,6 +6,7 @@ import torch
 
 from probes.data.glue import GlueExample, task_spec
 from probes.glue.datamodule import Collator, tokenize
+from probes.model.hooks import model_inputs
 
 
 def make_batches(tokenizer, examples: list[GlueExample], task: str, max_length: int = 128,
@@ -23,9 +24,10 @@ MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 @torch.inference_mode()
 def logits_and_labels(model, batches, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, num_labels) logits of a *ForSequenceClassification model and (N,) labels, in batch order."""
     outs, labels = [], []
     for b in batches:
-        out = model(**{k: b[k].to(device) for k in MODEL_KEYS if k in b})
+        out = model(**model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b}))
         outs.append(out.logits.float().cpu())
         labels.append(b["labels"])
     return torch.cat(outs), torch.cat(labels)

@@ -1,18 +1,26 @@
 """GLUE fine-tuning: the encoder's base model + dropout + a linear head (Kovaleva et al. 2019, §3).
 
-`SequenceClassifier` takes an unfrozen copy of `Encoder.model` (train mode under fit), pools
-the sequence with the encoder's **pooler** (tanh dense layer on the [CLS] hidden state, exactly
-as `BertForSequenceClassification`; `pooling: cls` uses the raw [CLS] hidden state instead),
+`SequenceClassifier` takes an unfrozen copy of `Encoder.base` (the encoder without any head; any
+supported family), pools the sequence with the encoder's **pooler** (tanh dense layer on the [CLS]
+hidden state, exactly as `BertForSequenceClassification`; `pooling: cls` uses the raw [CLS] hidden
+state instead, required for families without a pooler: DistilBERT, ELECTRA, DeBERTa-v2, ModernBERT),
 applies dropout and one linear layer: 2 logits with cross-entropy, or 1 score with MSE for STS-B.
-AdamW (no weight decay on biases/LayerNorm) with linear warmup then linear decay to 0.
+
+Optimisation, as every LightningModule of the project (see `probes.dependency.module`): `optimizer`
+and `scheduler` are partials from the config (`conf/probe/sequence_classifier.yaml`: AdamW, lr 2e-5,
+weight decay 0.01; `transformers.get_linear_schedule_with_warmup`). The module builds the parameter
+groups (no weight decay on biases/LayerNorm; `head_lr` for the head when set) and gives the
+scheduler `num_warmup_steps = warmup_ratio * total` and `num_training_steps = total` (stepped every
+optimizer step).
 
 `freeze_encoder: true` is the "pre-trained without fine-tuning" baseline: the encoder (pooler
 included) stays frozen and in eval mode, only the head trains (use a larger `head_lr`; the
 `glue_<task>_frozen` experiments use 3e-2).
 
-Metrics (`probes.glue.metrics`) are logged as `val/<m>`, `test/<m>` and the best validation value
-of the main metric as `val/<main>_best`. The fine-tuned model can be exported in Hugging Face format
-(`export_hf`): `AutoModelForSequenceClassification.from_pretrained(<dir>)` gives the same logits.
+Metrics (`probes.glue.metrics`, torchmetrics per split) are logged as `train/<m>`, `val/<m>`,
+`test/<m>` and the best validation value of the main metric as `val/<main>_best`. The fine-tuned model
+can be exported in Hugging Face format (`export_hf`): `AutoModelForSequenceClassification
+.from_pretrained(<dir>)` gives the same logits.
 """
 
 from __future__ import annotations
@@ -21,37 +29,53 @@ import copy
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torchmetrics import MaxMetric, MeanMetric
 
 from probes.data.glue import task_spec
 from probes.glue.metrics import predictions, task_metrics
+from probes.model import hooks
+from probes.model.load import EXPORT_INFO
 
 log = logging.getLogger(__name__)
 
-EXPORT_INFO = "glue_task.json"
+NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "LayerNorm.bias", "layer_norm.bias", "norm.weight",
+            "norm.bias")
+# optimizer settings of checkpoints written before `optimizer` came from the config (ignored when loading)
+LEGACY_OPTIMIZER_HPARAMS = ("lr", "weight_decay", "adam_eps")
+SPLITS = ("train", "val", "test")
 
 
 class SequenceClassifier(pl.LightningModule):
-    def __init__(self, encoder, task: str, lr: float = 2e-5, head_lr: float | None = None,
-                 weight_decay: float = 0.01, warmup_ratio: float = 0.1, adam_eps: float = 1e-8,
-                 dropout: float | None = None, freeze_encoder: bool = False, pooling: str = "pooler"):
+    def __init__(self, encoder, task: str, optimizer: Callable | None = None, scheduler: Callable | None = None,
+                 head_lr: float | None = None, warmup_ratio: float = 0.1, dropout: float | None = None,
+                 freeze_encoder: bool = False, pooling: str = "pooler", **legacy):
         super().__init__()
-        self.save_hyperparameters(ignore=["encoder"])
+        unknown = sorted(set(legacy) - set(LEGACY_OPTIMIZER_HPARAMS))
+        if unknown:
+            raise TypeError(f"SequenceClassifier got unexpected arguments {unknown}")
+        if legacy and optimizer is not None:
+            raise ValueError(f"{sorted(legacy)} moved into the optimizer partial: set probe.optimizer.lr / "
+                             f"probe.optimizer.weight_decay / probe.optimizer.eps")
+        self.save_hyperparameters(ignore=["encoder", "optimizer", "scheduler", "legacy"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.spec = task_spec(task)
         self.task = self.spec.name
         self.hf_config = copy.deepcopy(encoder.config)
         self.tokenizer = encoder.tokenizer
         self.encoder_name = getattr(encoder, "name", "")
-        self.encoder = copy.deepcopy(encoder.model)
+        self.encoder = copy.deepcopy(encoder.base)  # the encoder without its head (e.g. BertModel)
         self.encoder.requires_grad_(not freeze_encoder)
         self.encoder.train(not freeze_encoder)  # Encoder.model is in eval mode; Lightning keeps submodule modes
         if pooling not in ("pooler", "cls"):
             raise ValueError(f"pooling must be 'pooler' or 'cls', got {pooling!r}")
         if pooling == "pooler" and getattr(self.encoder, "pooler", None) is None:
-            raise ValueError("pooling='pooler' but the encoder has no pooler; use pooling: cls")
+            raise ValueError(f"pooling='pooler' but {type(self.encoder).__name__} has no pooler; set probe.pooling=cls "
+                             f"(the raw [CLS] hidden state)")
         if dropout is None:
             dropout = getattr(self.hf_config, "classifier_dropout", None)
             dropout = dropout if dropout is not None else getattr(self.hf_config, "hidden_dropout_prob", 0.1)
@@ -60,11 +84,10 @@ class SequenceClassifier(pl.LightningModule):
         std = getattr(self.hf_config, "initializer_range", 0.02)
         nn.init.normal_(self.head.weight, std=std)
         nn.init.zeros_(self.head.bias)
-        self.val_metrics = task_metrics(self.task)
-        self.test_metrics = task_metrics(self.task)
-        self.best = float("-inf")
-        self._loss_sum = {"val": 0.0, "test": 0.0}
-        self._loss_n = {"val": 0, "test": 0}
+        self.train_metrics, self.val_metrics, self.test_metrics = (
+            task_metrics(self.task).clone(prefix=f"{s}/") for s in SPLITS)
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_best = MaxMetric()
 
     # ------------------------------------------------------------------ model
     def train(self, mode: bool = True):
@@ -74,11 +97,13 @@ class SequenceClassifier(pl.LightningModule):
         return self
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_) -> torch.Tensor:
-        out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        """(B, T) ids, mask and token types (dropped for families without them) -> (B, num_labels) logits."""
+        out = self.encoder(**hooks.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
+                                                token_type_ids=token_type_ids))
         if self.hparams.pooling == "pooler":
-            pooled = out.pooler_output
+            pooled = out.pooler_output  # (B, D)
         else:
-            pooled = out.last_hidden_state[:, 0]
+            pooled = out.last_hidden_state[:, 0]  # (B, D)
         return self.head(self.dropout(pooled))
 
     def loss(self, logits, labels):
@@ -88,26 +113,35 @@ class SequenceClassifier(pl.LightningModule):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch, batch_idx):
-        loss = self.loss(self(**batch), batch["labels"])
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(batch["labels"]))
+        logits = self(**batch)
+        labels = batch["labels"]
+        loss = self.loss(logits, labels)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(labels))
+        self.train_metrics.update(predictions(self.task, logits.detach()), labels)
         if self.trainer.optimizers:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 
+    def on_train_epoch_end(self):
+        self.log_dict(self._compute(self.train_metrics))
+
     def _eval_step(self, batch, split: str):
         logits = self(**batch)
         labels = batch["labels"]
-        self._loss_sum[split] += float(self.loss(logits, labels)) * len(labels)
-        self._loss_n[split] += len(labels)
-        metrics = self.val_metrics if split == "val" else self.test_metrics
-        metrics.update(predictions(self.task, logits), labels)
+        getattr(self, f"{split}_loss").update(self.loss(logits, labels), weight=len(labels))
+        getattr(self, f"{split}_metrics").update(predictions(self.task, logits), labels)
+
+    @staticmethod
+    def _compute(metrics) -> dict[str, float]:
+        values = {k: float(v) for k, v in metrics.compute().items()}
+        metrics.reset()
+        return values
 
     def _eval_end(self, split: str) -> dict[str, float]:
-        metrics = self.val_metrics if split == "val" else self.test_metrics
-        values = {f"{split}/{k}": float(v) for k, v in metrics.compute().items()}
-        metrics.reset()
-        values[f"{split}/loss"] = self._loss_sum[split] / max(1, self._loss_n[split])
-        self._loss_sum[split], self._loss_n[split] = 0.0, 0
+        values = self._compute(getattr(self, f"{split}_metrics"))
+        loss = getattr(self, f"{split}_loss")
+        values[f"{split}/loss"] = float(loss.compute()) if loss.update_count else float("nan")
+        loss.reset()
         return values
 
     def validation_step(self, batch, batch_idx):
@@ -119,10 +153,10 @@ class SequenceClassifier(pl.LightningModule):
     def on_validation_epoch_end(self):
         values = self._eval_end("val")
         main = values[f"val/{self.spec.main_metric}"]
-        if not self.trainer.sanity_checking and main == main and main > self.best:  # main == main: not NaN
-            self.best = main
-        if self.best > float("-inf"):
-            values[f"val/{self.spec.main_metric}_best"] = self.best
+        if not self.trainer.sanity_checking and main == main:  # main == main: not NaN
+            self.val_best.update(main)
+        if self.val_best.update_count:
+            values[f"val/{self.spec.main_metric}_best"] = float(self.val_best.compute())
         self.log_dict(values, prog_bar=True)
 
     def test_step(self, batch, batch_idx):
@@ -132,23 +166,30 @@ class SequenceClassifier(pl.LightningModule):
         self.log_dict(self._eval_end("test"))
 
     # ------------------------------------------------------------------ optimisation
-    def configure_optimizers(self):
-        from transformers import get_linear_schedule_with_warmup
-
+    def param_groups(self) -> list[dict]:
+        """Encoder and head parameters, each split into decayed and not decayed (biases, norms; weight
+        decay 0). Decayed groups take the optimizer's weight decay; the head's groups ``head_lr``
+        when set, the others the optimizer's lr."""
         hp = self.hparams
-        no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "LayerNorm.bias")
+        parts = [(self.encoder, None)] if not hp.freeze_encoder else []
+        parts.append((self.head, hp.head_lr))
         groups = []
-        named = [("encoder", self.encoder, hp.lr)] if not hp.freeze_encoder else []
-        named.append(("head", self.head, hp.head_lr if hp.head_lr is not None else hp.lr))
-        for _, module, lr in named:
+        for module, lr in parts:
             params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            groups.append({"params": [p for n, p in params if not n.endswith(no_decay)],
-                           "weight_decay": hp.weight_decay, "lr": lr})
-            groups.append({"params": [p for n, p in params if n.endswith(no_decay)], "weight_decay": 0.0, "lr": lr})
-        groups = [g for g in groups if g["params"]]
-        opt = torch.optim.AdamW(groups, lr=hp.lr, eps=hp.adam_eps)
+            extra = {"lr": lr} if lr is not None else {}
+            groups.append({"params": [p for n, p in params if not n.endswith(NO_DECAY)], **extra})
+            groups.append({"params": [p for n, p in params if n.endswith(NO_DECAY)], "weight_decay": 0.0, **extra})
+        return [g for g in groups if g["params"]]
+
+    def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError("SequenceClassifier needs an optimizer partial to train (probe.optimizer)")
+        opt = self.optimizer_factory(params=self.param_groups())
+        if self.scheduler_factory is None:
+            return opt
         total = int(self.trainer.estimated_stepping_batches)
-        sched = get_linear_schedule_with_warmup(opt, int(hp.warmup_ratio * total), total)
+        sched = self.scheduler_factory(optimizer=opt, num_warmup_steps=int(self.hparams.warmup_ratio * total),
+                                       num_training_steps=total)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ export
@@ -170,7 +211,7 @@ class SequenceClassifier(pl.LightningModule):
         cfg.classifier_dropout = self.dropout.p
         cfg.architectures = None
         model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager")
-        base = getattr(model, model.base_model_prefix)
+        base = model.base_model
         clf = getattr(model, "classifier", None)
         if not isinstance(clf, nn.Linear) or clf.weight.shape != self.head.weight.shape:
             raise ValueError(f"{type(model).__name__} has no compatible `classifier` Linear")

@@ -5,8 +5,10 @@ position of each map in the datamodule's id list (for the test predictions file)
 
 Loss: cross-entropy with optional class weights (``class_weighting``: ``inverse_sqrt`` = weight
 proportional to 1/sqrt(class count in train, counts read from the datamodule at fit start),
-``inverse``, or ``none``) and label smoothing. AdamW; cosine decay over the run when
-``cosine: true``.
+``inverse``, or ``none``) and label smoothing. ``optimizer`` and ``scheduler`` are partials from the
+config, as in every LightningModule of the project (``conf/probe/pattern_cnn.yaml``: AdamW, lr 2e-3,
+weight decay 1e-2 on weights with 2+ dimensions, none on biases and BatchNorm; cosine decay to lr/100
+over all optimizer steps, ``T_max`` filled in by the module; ``scheduler: null`` keeps the lr constant).
 
 Metrics (torchmetrics, one set per split): ``<split>/acc`` (micro accuracy), ``<split>/macro_f1``;
 ``val/macro_f1_best`` (the best epoch so far; the checkpoint callback monitors ``val/macro_f1``).
@@ -20,8 +22,10 @@ plus a ``macro`` and an ``accuracy`` row), ``confusion.csv`` (rows = gold, colum
 from __future__ import annotations
 
 import logging
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytorch_lightning as pl
@@ -44,14 +48,15 @@ def _split_metrics(n: int) -> MetricCollection:
 class PatternClassifier(pl.LightningModule):
     def __init__(self, classes: Sequence[str] = CLASSES, size: int = 32, resize: str = "area",
                  channels: Sequence[str] = ("max",), widths: Sequence[int] = (16, 32, 64), hidden: int = 64,
-                 dropout: float = 0.3, lr: float = 2e-3, weight_decay: float = 1e-2, cosine: bool = True,
+                 dropout: float = 0.3, optimizer: Callable | None = None, scheduler: Callable | None = None,
                  class_weighting: str = "inverse_sqrt", label_smoothing: float = 0.0,
                  report_dir: str | None = None):
         super().__init__()
         # plain lists (not ListConfig) so the checkpoint loads with torch.load(weights_only=True)
         classes, channels, widths = [str(c) for c in classes], [str(c) for c in channels], [int(w) for w in widths]
         report_dir = None if report_dir is None else str(report_dir)
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not in the checkpoint
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.classes = tuple(classes)
         self.channels = tuple(channels)
         if class_weighting not in ("none", "inverse", "inverse_sqrt"):
@@ -128,7 +133,8 @@ class PatternClassifier(pl.LightningModule):
         self.log_dict(m)
         if not self.trainer.sanity_checking:
             self.val_best.update(m["val/macro_f1"])
-        self.log("val/macro_f1_best", self.val_best.compute() if self.val_best.update_count else m["val/macro_f1"])
+        if self.val_best.update_count:  # the best epoch so far (not logged by the sanity check)
+            self.log("val/macro_f1_best", self.val_best.compute())
 
     def on_test_epoch_start(self) -> None:
         self._test_rows = []
@@ -188,16 +194,21 @@ class PatternClassifier(pl.LightningModule):
         p.mkdir(parents=True, exist_ok=True)
         return p
 
-    def configure_optimizers(self):
+    def param_groups(self) -> list[dict]:
+        """Weights (2+ dimensions) with the optimizer's weight decay; biases and BatchNorm without."""
         decay, no_decay = [], []
         for n, p in self.named_parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
-        if not self.hparams.cosine:
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError("PatternClassifier needs an optimizer partial to train (probe.optimizer)")
+        opt = self.optimizer_factory(params=self.param_groups())
+        if self.scheduler_factory is None:
             return opt
         steps = max(1, int(self.trainer.estimated_stepping_batches))
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=self.hparams.lr * 0.01)
+        sched = self.scheduler_factory(optimizer=opt, T_max=steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -217,7 +228,14 @@ def load_classifier(checkpoint: str | Path, device: str = "cpu") -> PatternClass
         p = found[0]
     if not p.is_file():
         raise FileNotFoundError(f"pattern CNN checkpoint not found: {p}")
-    model = PatternClassifier.load_from_checkpoint(str(p), map_location=device, report_dir=None)
+    ckpt = torch.load(p, map_location=device, weights_only=True)
+    # only the architecture's arguments (checkpoints written before `optimizer` came from the config
+    # also hold lr, weight_decay and cosine)
+    known = set(inspect.signature(PatternClassifier.__init__).parameters) - {"self", "optimizer", "scheduler"}
+    hp = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if k in known}
+    model = PatternClassifier(**{**hp, "report_dir": None})
+    model.load_state_dict(ckpt["state_dict"])
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model

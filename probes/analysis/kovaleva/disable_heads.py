@@ -2,10 +2,15 @@
 one whole layer, of a fine-tuned GLUE model and measure the task metric on the dev set.
 
 "Disabling" = the head's attention is replaced by uniform attention over the real tokens
-(`probes.glue.disable.AttentionDisabler`; Kovaleva et al. also set the head's attention to uniform).
-The model is scored with nothing disabled, with each single (layer, head) disabled, and with each
-layer's heads all disabled. Needs `analysis.checkpoint` (an `hf_model` folder or a run folder
-holding one, or a Lightning `.ckpt` built on `encoder`); several at once as a {task: path} mapping.
+(``probes.model.hooks.attention(model, [], uniform={layer: [heads]})``; Kovaleva et al. also set the
+head's attention to uniform). The model is scored with nothing disabled, with each single
+(layer, head) disabled, and with each layer's heads all disabled. Needs ``analysis.checkpoint`` (an
+``hf_model`` folder or a run folder holding one, or a Lightning ``.ckpt`` built on ``encoder``);
+several at once as a {task: path} mapping.
+
+``reuse_prefix`` (default): the outputs of the layers below the disabled one cannot change, so they
+are taken from the plain run (``probes.model.hooks.PrefixCache``) and only layers >= l are computed;
+exact. Models whose blocks are shared across layers (ALBERT) always run in full.
 
 Outputs, per task: ``disable_heads_<task>.csv`` (tidy: task, condition ∈ {none, head, layer},
 layer, head (-1 for a whole layer / none), name (1-based `layer-head`, `L<l>`, `none`), metric,
@@ -21,26 +26,29 @@ import time
 
 import numpy as np
 import pandas as pd
+import torch
 from tqdm import tqdm
 
+from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
 from probes.analysis.naming import head_name
 from probes.data.glue import read_glue, task_spec
-import torch
-
-from probes.glue.disable import AttentionDisabler, PrefixCache
 from probes.glue.evaluate import MODEL_KEYS, make_batches
-from probes.glue.load import load_finetuned
 from probes.glue.metrics import score
+from probes.model import hooks
 
 log = logging.getLogger(__name__)
 
 
-def _checkpoints(checkpoint, task) -> dict[str | None, str]:
-    if checkpoint is None:
-        raise ValueError("set analysis.checkpoint=<run dir | hf_model dir | .ckpt> (or a {task: path} mapping)")
-    if hasattr(checkpoint, "items"):
-        return {str(k): str(v) for k, v in checkpoint.items()}
-    return {task: str(checkpoint)}
+def disabled(condition: str, layer: int, head: int, num_heads: int) -> dict[int, list[int]]:
+    """The ``uniform`` argument of :func:`probes.model.hooks.attention` for one condition:
+    ``none`` -> {}, ``head`` -> {layer: [head]}, ``layer`` -> {layer: all heads}."""
+    if condition == "none":
+        return {}
+    if condition == "head":
+        return {layer: [head]}
+    if condition == "layer":
+        return {layer: list(range(num_heads))}
+    raise ValueError(f"condition must be none, head or layer, got {condition!r}")
 
 
 def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, device="cpu",
@@ -48,31 +56,33 @@ def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, d
                    reuse_prefix: bool = True) -> pd.DataFrame:
     """Tidy scores for: nothing disabled, each single head, each whole layer (0-based indices).
 
-    `reuse_prefix`: compute only layers >= l when layer l is touched (`PrefixCache`); exact."""
+    `reuse_prefix`: compute only layers >= l when layer l is touched (`hooks.PrefixCache`); exact."""
     conditions = [("none", -1, -1)]
     if heads:
         conditions += [("head", l, h) for l in range(num_layers) for h in range(num_heads)]
     if layers:
         conditions += [("layer", l, -1) for l in range(num_layers)]
+    if reuse_prefix and not hooks.PrefixCache.supported(model):
+        log.info("disable_heads: %s shares blocks across layers; running every condition in full",
+                 type(model).__name__)
+        reuse_prefix = False
     rows, base = [], None
     with torch.inference_mode():
-        inputs = [{k: b[k].to(device) for k in MODEL_KEYS if k in b} for b in batches]
+        inputs = [hooks.model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b}) for b in batches]
         labels = torch.cat([b["labels"] for b in batches])
-        plain, prefix = zip(*(PrefixCache.record(model, x) for x in inputs)) if reuse_prefix else ((), ())
+        plain, prefix = zip(*(hooks.PrefixCache.record(model, x) for x in inputs)) if reuse_prefix else ((), ())
     for cond, l, h in tqdm(conditions, desc=f"disable_heads {task}", unit="cond", disable=None if progress else True):
-        dis = AttentionDisabler(model, heads={(l, h)} if cond == "head" else (),
-                                layers={l} if cond == "layer" else ())
         outs = []
-        with dis, torch.inference_mode():
+        with hooks.attention(model, [], uniform=disabled(cond, l, h, num_heads)) as s, torch.inference_mode():
             for i, x in enumerate(inputs):
                 if cond == "none" and reuse_prefix:
                     outs.append(plain[i].logits)
                 elif reuse_prefix:  # layers < l are unchanged: reuse their outputs from the plain run
-                    with PrefixCache.reuse(model, prefix[i], l):
-                        outs.append(model(**x).logits)
+                    with hooks.PrefixCache.reuse(model, prefix[i], l):
+                        outs.append(s.run(**x).logits)
                 else:
-                    outs.append(model(**x).logits)
-        logits = torch.cat(outs).float().cpu()
+                    outs.append(s.run(**x).logits)
+        logits = torch.cat(outs).float().cpu()  # (N, num_labels)
         values = score(task, logits, labels)
         if base is None:
             base = values
@@ -134,9 +144,10 @@ def disable_heads(ctx, *, checkpoint=None, task: str | None = None, split: str =
                   heads: bool = True, layers: bool = True, reuse_prefix: bool = True) -> pd.DataFrame:
     t0 = time.time()
     frames, summary = [], {}
-    for want_task, path in _checkpoints(checkpoint, task).items():
-        enc = ctx.encoder if str(path).endswith(".ckpt") else None
-        ft = load_finetuned(path, encoder=enc, task=want_task)
+    for want_task, path in checkpoints(checkpoint, task).items():
+        ft = load_checkpoint(ctx, path, want_task)
+        if ft.task is None:
+            raise ValueError(f"{path}: task unknown (no glue_task.json / finetuning_task); set analysis.task")
         model = ft.model.to(ctx.device)
         L, H = model.config.num_hidden_layers, model.config.num_attention_heads
         examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]

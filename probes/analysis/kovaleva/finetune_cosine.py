@@ -15,43 +15,55 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.kovaleva.disable_heads import _checkpoints
+from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
 from probes.analysis.naming import head_name
 from probes.data.glue import read_glue
 from probes.glue.evaluate import MODEL_KEYS, make_batches
-from probes.glue.load import load_finetuned
+from probes.model import hooks
 
 log = logging.getLogger(__name__)
+
+
+def _maps(session, inputs: dict) -> torch.Tensor:
+    """(B, L, H, T, T) maps of every layer of one padded batch (the forward stops after the last)."""
+    session.run(**inputs)
+    return session.attentions()
 
 
 @torch.inference_mode()
 def attention_cosine(model_a, model_b, batches, device="cpu", progress: bool = True) -> tuple[np.ndarray, int]:
     """(L, H) mean over examples of cos(flattened map of model_a, of model_b); and the example count.
 
+    Maps come from :func:`probes.model.hooks.attention` (all layers, forward stopped after the last).
     Computed in float64 as dot / sqrt(|a|^2 |b|^2), so a model compared with itself gives exactly 1.
     """
     total, n = None, 0
-    for b in tqdm(batches, desc="finetune_cosine", unit="batch", disable=None if progress else True):
-        inputs = {k: b[k].to(device) for k in MODEL_KEYS if k in b}
-        att_a = model_a(**inputs, output_attentions=True).attentions
-        att_b = att_a if model_b is model_a else model_b(**inputs, output_attentions=True).attentions
-        if len(att_a) != len(att_b) or att_a[0].shape != att_b[0].shape:
-            raise ValueError("the two models differ in layers or heads")
-        real = inputs["attention_mask"].to(torch.float64)
-        pair = real[:, None, :, None] * real[:, None, None, :]                  # (B, 1, T, T)
-        a = torch.stack(att_a, 1).to(torch.float64) * pair[:, None]            # (B, L, H, T, T)
-        c = torch.stack(att_b, 1).to(torch.float64) * pair[:, None]
-        dot = (a * c).flatten(3).sum(-1)
-        norm = torch.sqrt((a * a).flatten(3).sum(-1) * (c * c).flatten(3).sum(-1))
-        cos = (dot / norm).sum(0)                                               # (L, H)
-        total = cos if total is None else total + cos
-        n += a.shape[0]
+    same = model_b is model_a
+    with hooks.attention(model_a, stop=True) as sa, \
+            (hooks.attention(model_b, stop=True) if not same else nullcontext()) as sb:
+        for b in tqdm(batches, desc="finetune_cosine", unit="batch", disable=None if progress else True):
+            inputs = {k: b[k].to(device) for k in MODEL_KEYS if k in b}
+            att_a = _maps(sa, inputs)                                               # (B, L, H, T, T)
+            att_b = att_a if same else _maps(sb, inputs)
+            if att_a.shape != att_b.shape:
+                raise ValueError(f"the two models differ in layers or heads: {tuple(att_a.shape[1:3])} vs "
+                                 f"{tuple(att_b.shape[1:3])}")
+            real = inputs["attention_mask"].to(torch.float64)
+            pair = real[:, None, :, None] * real[:, None, None, :]                  # (B, 1, T, T)
+            a = att_a.to(torch.float64) * pair[:, None]                             # (B, L, H, T, T)
+            c = att_b.to(torch.float64) * pair[:, None]
+            dot = (a * c).flatten(3).sum(-1)                                        # (B, L, H)
+            norm = torch.sqrt((a * a).flatten(3).sum(-1) * (c * c).flatten(3).sum(-1))
+            cos = (dot / norm).sum(0)                                               # (L, H)
+            total = cos if total is None else total + cos
+            n += a.shape[0]
     return (total / n).cpu().numpy(), n
 
 
@@ -84,14 +96,14 @@ def finetune_cosine(ctx, *, checkpoint=None, task: str | None = None, split: str
     t0 = time.time()
     pre = ctx.encoder.model.to(ctx.device)
     rows, maps, summary = [], {}, {}
-    for want_task, path in _checkpoints(checkpoint, task).items():
-        ft = load_finetuned(path, encoder=ctx.encoder if str(path).endswith(".ckpt") else None, task=want_task)
-        base = ft.base.to(ctx.device)
-        if ft.tokenizer.get_vocab() != ctx.encoder.tokenizer.get_vocab():
-            raise ValueError(f"{path}: tokenizer differs from encoder {ctx.encoder.name}'s")
+    for want_task, path in checkpoints(checkpoint, task).items():
+        ft = load_checkpoint(ctx, path, want_task, compare=True)  # same vocabulary as the encoder
+        if ft.task is None:
+            raise ValueError(f"{path}: task unknown (no glue_task.json / finetuning_task); set analysis.task")
+        tuned = ft.model.to(ctx.device)
         examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
         batches = make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
-        m, n = attention_cosine(pre, base, batches, ctx.device)
+        m, n = attention_cosine(pre, tuned, batches, ctx.device)
         maps[ft.task] = m
         for l in range(m.shape[0]):
             for h in range(m.shape[1]):

