@@ -20,13 +20,16 @@ from omegaconf import DictConfig, OmegaConf
 from probes.io import atomic_write_text
 
 
-def _job_name(job: Path) -> str:
-    overrides = job / ".hydra" / "overrides.yaml"
-    if overrides.exists():
-        items = [str(o) for o in OmegaConf.load(overrides) if not str(o).startswith("hydra.")]
-        if items:
-            return " ".join(items)
-    return job.name
+def _overrides(job: Path) -> list[str]:
+    path = job / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path) if not str(o).startswith("hydra.")] if path.exists() else []
+
+
+def _job_names(jobs: list[Path]) -> list[str]:
+    """Each job named by the overrides that tell it apart from the sweep's other jobs (its folder name if none)."""
+    overrides = [_overrides(j) for j in jobs]
+    shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
+    return [" ".join(o for o in ov if o not in shared) or j.name for j, ov in zip(jobs, overrides)]
 
 
 def _is_reported(key: str, value: Any) -> bool:
@@ -37,12 +40,12 @@ def _is_reported(key: str, value: Any) -> bool:
 def collect(sweep_dir: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
     """(metric columns, rows) of the jobs under ``sweep_dir`` that wrote ``metrics.json``."""
     rows, columns = [], []
-    for m in sorted(Path(sweep_dir).glob("*/metrics.json"), key=lambda p: p.parent.name):
-        job = m.parent
-        metrics = json.loads(m.read_text())
+    jobs = sorted((m.parent for m in Path(sweep_dir).glob("*/metrics.json")), key=lambda p: p.name)
+    for job, name in zip(jobs, _job_names(jobs)):
+        metrics = json.loads((job / "metrics.json").read_text())
         cfg = OmegaConf.load(job / ".hydra" / "config.yaml") if (job / ".hydra" / "config.yaml").exists() else {}
         paper = (cfg.get("paper") or {}) if cfg else {}
-        row = dict(job=_job_name(job), paper=paper.get("value"))
+        row = dict(job=name, paper=paper.get("value"))
         for k, v in metrics.items():
             if _is_reported(k, v):
                 row[k] = float(v)
