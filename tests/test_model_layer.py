@@ -154,3 +154,24 @@ def test_padding_and_length_batches():
 def test_packaged_encoder_has_no_mlm_head():
     with pytest.raises(MissingHeadError, match="no mlm head"):
         load_packaged(head="mlm").model
+
+
+@pytest.mark.parametrize("family,pooling", [("distilbert", "cls"), ("roberta", "pooler")])
+def test_finetuned_encoder_plus_head_loads_with_its_logits(family, pooling, tmp_path):
+    from probes.glue.module import SequenceClassifier
+    from probes.model.load import load_finetuned
+
+    enc = tiny_encoder(family)
+    module = SequenceClassifier(enc, task="mrpc", pooling=pooling).eval()
+    with torch.no_grad():
+        module.head.weight.normal_()
+    module.export_hf(tmp_path / "hf_model")
+    ft = load_finetuned(tmp_path, task="mrpc", reference_tokenizer=enc.tokenizer)  # the run folder
+    batch = _batch(enc)
+    with torch.no_grad():
+        want = module(**batch)
+        got = ft.model(**hooks.model_inputs(ft.model, **batch)).logits
+        with hooks.attention(ft.model, uniform={0: [1]}) as s:  # interventions reach it too
+            changed = s.run(**batch).logits
+    torch.testing.assert_close(got, want)
+    assert ft.task == "mrpc" and not torch.allclose(changed, got)

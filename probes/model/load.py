@@ -312,15 +312,49 @@ def load_finetuned(checkpoint: str | Path, encoder: Encoder | None = None, task:
     return FineTuned(model, tokenizer, task or saved_task, path)
 
 
+class EncoderWithHead(torch.nn.Module):
+    """A fine-tuned encoder saved as a bare encoder plus ``head.pt`` (families whose transformers
+    classification head differs from pooler -> dropout -> Linear): same logits as the trained module."""
+
+    def __init__(self, encoder: torch.nn.Module, head: torch.nn.Linear, pooling: str):
+        super().__init__()
+        if pooling not in ("pooler", "cls"):
+            raise ValueError(f"pooling must be 'pooler' or 'cls', got {pooling!r}")
+        self.encoder, self.head, self.pooling = encoder, head, pooling
+        self.config = encoder.config
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return self.encoder
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None):
+        """(B, T) inputs -> output with ``.logits`` (B, num_labels)."""
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        out = self.encoder(**hooks.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
+                                                token_type_ids=token_type_ids, inputs_embeds=inputs_embeds))
+        pooled = out.pooler_output if self.pooling == "pooler" else out.last_hidden_state[:, 0]  # (B, D)
+        return SequenceClassifierOutput(logits=self.head(pooled))
+
+
 def _load_classifier(folder: Path):
-    """(model, tokenizer) of a saved folder: a *ForSequenceClassification, or a bare encoder."""
+    """(model, tokenizer) of a saved folder: a *ForSequenceClassification, or an encoder + ``head.pt``."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     hooks.register()
     cfg = AutoConfig.from_pretrained(str(folder))
     archs = cfg.architectures or []
-    cls = AutoModelForSequenceClassification if any("SequenceClassification" in a for a in archs) else AutoModel
-    model = cls.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
+    if any("SequenceClassification" in a for a in archs):
+        model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
+    elif (folder / "head.pt").exists():
+        state = torch.load(folder / "head.pt", map_location="cpu")
+        head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
+        head.load_state_dict(state)
+        info = json.loads((folder / EXPORT_INFO).read_text()) if (folder / EXPORT_INFO).exists() else {}
+        encoder = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
+        model = EncoderWithHead(encoder, head, info.get("pooling", "cls"))
+    else:
+        model = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
     return model, load_tokenizer(str(folder))
 
 
