@@ -1,4 +1,6 @@
-"""Gradient attributions (Pascual et al. 2021): exact toys, captum agreement, comparison helpers."""
+"""Gradient attributions (Pascual et al. 2021): exact toys, captum agreement, comparison helpers.
+
+Other families (DistilBERT, ALBERT, DeBERTa-v2): tests/test_flow.py::test_attributions_other_families."""
 
 from __future__ import annotations
 
@@ -6,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution, captum_head_attribution,
-                                      head_attributions, head_scalars_fn, input_x_gradient, integrated_gradients,
-                                      js_divergence, layer_head_scalars_fn, spearman_rows, top1_agreement,
-                                      word_embeddings)
+from probes.analysis.pascual.attribution import select_shortest
+from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
+from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution,
+                                              captum_head_attribution, head_attributions, head_scalars_fn,
+                                              ig_baseline, input_x_gradient, integrated_gradients,
+                                              layer_head_scalars_fn, word_embeddings)
 from probes.model.load import tiny_bert
 
 
@@ -114,3 +118,23 @@ def test_argmax_patterns():
     d2 = np.zeros((T, T))
     d2[:, T - 1] = 1
     assert [PATTERNS[k] for k in argmax_patterns(d2)] == ["sep"] * T
+
+
+def test_pad_baseline_and_captum(tiny):
+    enc, ids = tiny
+    x = word_embeddings(enc.model, ids)
+    b = ig_baseline(enc.model, ids, "pad", enc.tokenizer.pad_token_id)
+    pad = enc.model.get_input_embeddings().weight[enc.tokenizer.pad_token_id]
+    torch.testing.assert_close(b[1:-1], pad.expand_as(b[1:-1]))
+    torch.testing.assert_close(b[[0, -1]], x[[0, -1]])  # first / last special token keep their own
+    dist = head_attributions(enc.model, ids, "ig", steps=3, baseline=b)
+    ref = attribution_distribution(captum_head_attribution(enc.model, ids, 1, 2, 3, "ig", steps=3, baseline=b))
+    torch.testing.assert_close(dist[1, 2, 3], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_select_shortest():
+    n_words = [6, 2, 5, 9, 5]
+    n_pieces = [9, 4, 8, 12, 7]
+    assert select_shortest(n_words, n_pieces, None, 5, 512) == [4, 2, 0, 3]  # shortest first, >= 5 words
+    assert select_shortest(n_words, n_pieces, 2, 5, 512) == [4, 2]
+    assert select_shortest(n_words, n_pieces, None, 5, 10) == [4, 2, 0]  # longer than max_length: out

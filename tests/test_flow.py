@@ -1,4 +1,5 @@
-"""Gradient flow (Westera 2019) maths on a real tiny random BERT: identity layers, batched vs loop, OLS."""
+"""Gradient flow (Westera 2019) maths on real tiny random encoders (BERT; DistilBERT, ALBERT, DeBERTa-v2 built
+from configs): identity layers, batched vs an independent autograd loop, OLS."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.westera.flow import correlations, pair_rows
-from probes.analysis.westera.gradflow import (encoder_layers, gradient_flow, gradient_flow_loop, hidden_and_attention, ols)
-from probes.model.load import tiny_bert
+from probes.analysis.stats import ols
+from probes.analysis.westera.flow import correlations, pair_rows, select_sentences
+from probes.analysis.westera.gradflow import (attribution_distribution, block_functions, captum_head_attribution,
+                                              gradient_flow, gradient_flow_loop, head_attributions,
+                                              hidden_and_attention)
+from probes.model import hooks
 from probes.model.inputs import encode_words, pooling_matrix
+from probes.model.load import tiny_bert
 
 WORDS = ["the", "qwertyuiop", "cat", "saw", "dogs", "."]
 
@@ -36,7 +41,7 @@ def identity_bert():
     """Tiny BERT whose every encoder layer is the identity map h_n = h_{n-1}: attention-output and FFN
     output projections zeroed, the two post-residual LayerNorms replaced by nn.Identity."""
     enc = tiny_bert(num_hidden_layers=3)
-    for layer in encoder_layers(enc.model):
+    for layer in hooks.blocks(enc.model):  # BertLayer
         for lin in (layer.attention.output.dense, layer.output.dense):
             lin.weight.data.zero_()
             lin.bias.data.zero_()
@@ -130,3 +135,78 @@ def test_ols_recovers_coefficients():
     s2 = ((y - X @ beta) ** 2).sum() / (n - 3)
     se = np.sqrt(np.diag(np.linalg.inv(X.T @ X)) * s2)
     assert np.allclose([res[k]["se"] for k in ("intercept", "a", "b")], se)
+
+
+def test_select_sentences():
+    assert select_sentences(10) == list(range(10))
+    assert select_sentences(10, max_sentences=4) == [0, 1, 2, 3]  # first N, file order
+    sub = select_sentences(10, max_sentences=6, n_sentences=3, seed=1)
+    assert len(sub) == 3 and sub == sorted(sub) and set(sub) <= set(range(6))
+    assert sub == select_sentences(10, 6, 3, 1)  # seeded
+
+
+# --------------------------------------------------------------------------- other families
+
+
+def tiny_family(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random encoder of another family, built from its config, on the project's attention path,
+    with random LayerNorm affines (see :func:`_randomise_layernorms`)."""
+    import transformers
+
+    common = dict(vocab_size=100, max_position_embeddings=64)
+    if kind == "distilbert":
+        cfg = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, **common)
+    elif kind == "albert":  # 3 layers sharing one layer group
+        cfg = transformers.AlbertConfig(embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                        intermediate_size=64, num_hidden_groups=1, **common)
+    elif kind == "deberta-v2":
+        cfg = transformers.DebertaV2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=64, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                                           position_buckets=8, max_relative_positions=16, **common)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = transformers.AutoModel.from_config(cfg, attn_implementation="eager")
+    model.eval().requires_grad_(False)
+    hooks.prepare(model)
+    return _randomise_layernorms(model, seed)
+
+
+def _random_ids(n=7, seed=0):
+    return torch.randint(5, 100, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+FAMILIES = ["distilbert", "albert", "deberta-v2"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_flow_other_families(kind):
+    model = tiny_family(kind)
+    ids = _random_ids()
+    T, L = len(ids), model.config.num_hidden_layers
+    hs, attn = hidden_and_attention(model, ids)
+    assert len(hs) == L + 1 and attn.shape == (L, model.config.num_attention_heads, T, T)
+    torch.testing.assert_close(attn.sum(-1), torch.ones(attn.shape[:-1]))
+    for n, f in enumerate(block_functions(model, ids)):  # each block function reproduces the forward
+        torch.testing.assert_close(f(hs[n]), hs[n + 1], atol=1e-5, rtol=1e-5)
+    out = gradient_flow(model, ids, chain=True)
+    assert out["G"].shape == out["Gstar"].shape == out["A"].shape == (L, T, T)
+    for chain, key in ((False, "G"), (True, "Gstar")):
+        ref = gradient_flow_loop(model, ids, chain=chain)  # plain forward + autograd.grad per output token
+        assert ref.abs().max() > 1e-2
+        torch.testing.assert_close(out[key], ref.float(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out["Gstar"][0], out["G"][0])
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("method", ["ixg", "ig"])
+def test_attributions_other_families(kind, method):
+    model = tiny_family(kind)
+    ids = _random_ids(6, seed=1)
+    L, H, T = model.config.num_hidden_layers, model.config.num_attention_heads, len(ids)
+    dist = head_attributions(model, ids, method, steps=4, chunk_size=7)
+    assert dist.shape == (L, H, T, T)
+    torch.testing.assert_close(dist.sum(-1), torch.ones(L, H, T))
+    for layer, head, pos in [(0, 1, 2), (L - 1, H - 1, T - 1)]:
+        ref = attribution_distribution(captum_head_attribution(model, ids, layer, head, pos, method, steps=4))
+        torch.testing.assert_close(dist[layer, head, pos], ref, atol=1e-5, rtol=1e-4)

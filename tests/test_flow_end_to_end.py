@@ -1,4 +1,5 @@
-"""The three new analyses end to end in process (tiny encoder, hand-made CoNLL-U with Entity= coreference)."""
+"""The three new analyses end to end in process (tiny encoder, hand-made CoNLL-U with Entity= coreference);
+flow and attribution also on tiny DistilBERT and ALBERT (``encoder=tiny_family``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -86,3 +88,18 @@ def test_attribution_end_to_end(tmp_path):
     pat = pd.read_csv(tmp_path / "out" / "attribution_patterns.csv")
     assert set(pat.source) == {"attention", "ixg", "ig"}
     assert pat.groupby(["source", "layer"]).share.sum().round(6).eq(1).all()
+
+
+@pytest.mark.parametrize("family", ["distilbert", "albert"])
+def test_flow_and_attribution_other_families(tmp_path, family):
+    if not (CONF / "encoder" / "tiny_family.yaml").exists():
+        pytest.skip("conf/encoder/tiny_family.yaml (probes.model.tiny) not available")
+    enc = ["encoder=tiny_family", f"encoder.family={family}", f"encoder.root={tmp_path / 'models'}"]
+    corr, summ = _run(_cfg(tmp_path, "flow", *enc), tmp_path / "flow")
+    assert summ["model_type"] == family and summ["n_sentences"] == 2 and len(summ["rho_G_A_per_layer"]) == 2
+    pairs = pd.read_csv(tmp_path / "flow" / "flow_pairs.csv")
+    assert len(pairs) == 2 * (10 ** 2 + 9 ** 2) and pairs[["G", "Gstar", "A"]].notna().all().all()
+    layers, summ = _run(_cfg(tmp_path, "attribution", *enc, "analysis.ig_steps=2", "analysis.min_words=3"),
+                        tmp_path / "attr")
+    assert summ["model_type"] == family and summ["n_sentences"] == 2 and summ["captum_max_abs_diff"] < 1e-5
+    assert set(layers.method) == {"ixg", "ig"} and layers.js.between(0, 1).all()

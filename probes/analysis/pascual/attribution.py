@@ -1,14 +1,17 @@
 """``analysis=attribution``: do head outputs depend on the tokens the head attends to? (Pascual et al. 2021)
 
-Wordpiece level, live encoder, each sentence alone as ``[CLS] s [SEP]``. For every layer ``l``, head
-``h`` and position ``i``, the head's output is its context-vector slice ``c_{l,h,i}`` (the
-``encoder.layer[l].attention.self`` output before the output projection), reduced to the scalar
-``sum_k c_{l,h,i}[k]``; its attribution to every input token ``j`` is taken on the **word-embedding
-vectors** (output of ``embeddings.word_embeddings``) by
+Wordpiece level, live encoder (``ctx.encoder``, any supported family: BERT, DistilBERT, ALBERT,
+DeBERTa-v2, ...), each sentence alone as ``[CLS] s [SEP]`` (the tokenizer's own special tokens). For
+every layer ``l``, head ``h`` and position ``i``, the head's output is ``o_{l,h,i}`` = ``(A V)`` of
+that head before the attention output projection (``s.output[l]`` of a
+``probes.model.hooks.attention(..., values=True)`` session), reduced to the scalar
+``sum_k o_{l,h,i}[k]``; its attribution to every input token ``j`` is taken on the **word-embedding
+vectors** (``model.get_input_embeddings()(ids)``, fed as ``inputs_embeds``) by
 
 * ``ixg`` - gradient x input;
 * ``ig``  - integrated gradients, baseline ``zero`` (all word embeddings 0; position/type embeddings
-  kept) or ``pad`` ([PAD]'s embedding except at [CLS]/[SEP]), ``ig_steps`` Riemann-midpoint points.
+  kept) or ``pad`` (the pad token's embedding except at the first and last special token),
+  ``ig_steps`` Riemann-midpoint points.
 
 Both are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
 :mod:`probes.analysis.westera.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
@@ -24,8 +27,11 @@ to sum 1. It is compared with the same head's attention row ``A[l, h, i, :]``:
 * Patterns: the share of positions whose argmax is ``cls`` / ``sep`` / ``self`` / ``prev`` / ``next``
   / ``other`` (precedence in that order), per layer, for the attention and for each attribution.
 
-Sentences: the ``max_sentences`` shortest (in wordpieces; ties in file order) with at least
+Sentences: of the first ``max_sentences`` sentences of ``split`` (file order, as in every analysis;
+null = the whole split), the ``n_shortest`` shortest (in pieces; ties in file order) with at least
 ``min_words`` words - the cost grows with T^2 (T targets per head, each a backward over T tokens).
+``analysis.n_shortest=30`` is the README's "30 shortest dev sentences" (before the model-layer
+refactor that selection was called ``max_sentences``).
 
 Outputs: ``attribution_heads.csv`` (method, layer, head, js, spearman, top1, n), ``attribution_layers.csv``
 (method, layer, means), ``attribution_patterns.csv`` (source, layer, pattern, share),
@@ -43,9 +49,10 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution, captum_head_attribution,
-                                      head_attributions, hidden_and_attention, ig_baseline, js_divergence,
-                                      spearman_rows, top1_agreement)
+from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
+from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution,
+                                              captum_head_attribution, head_attributions, hidden_and_attention,
+                                              ig_baseline)
 from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
@@ -99,19 +106,29 @@ def figure_patterns(pat: pd.DataFrame):
     return fig
 
 
-def attribution(ctx, *, split: str = "dev", max_sentences: int = 50, min_words: int = 5,
-                methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero", chunk_size: int | None = 256,
-                captum_check: int = 2, num_threads: int | None = None, seed: int = 0) -> pd.DataFrame:
+def select_shortest(n_words: list[int], n_pieces: list[int], n_shortest: int | None, min_words: int,
+                    max_length: int) -> list[int]:
+    """Indices of the ``n_shortest`` shortest sentences (pieces; ties in file order) with ``>= min_words``
+    words that fit in ``max_length`` pieces (None = all of them), shortest first."""
+    ok = (i for i in range(len(n_words)) if n_words[i] >= min_words and n_pieces[i] <= max_length)
+    return sorted(ok, key=lambda i: (n_pieces[i], i))[:n_shortest]
+
+
+def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_shortest: int | None = 50,
+                min_words: int = 5, methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero",
+                chunk_size: int | None = 256, captum_check: int = 2, num_threads: int | None = None,
+                seed: int = 0) -> pd.DataFrame:
     """Attribution vs attention for every head; save the tables and figures; return the per-layer table."""
     t0 = time.time()
     if num_threads:
         torch.set_num_threads(int(num_threads))
     enc = ctx.encoder
-    sents = ctx.sentences(split)
+    sents = ctx.sentences(split, max_sentences)  # first max_sentences, file order
     encoded = encode_words(enc.tokenizer, [list(s.words) for s in sents])
-    order = sorted((i for i, s in enumerate(sents) if s.n >= min_words and encoded[i].n_pieces <= enc.max_length),
-                   key=lambda i: (encoded[i].n_pieces, i))[:max_sentences]
+    order = select_shortest([s.n for s in sents], [e.n_pieces for e in encoded], n_shortest, min_words,
+                            enc.max_length)
     model = enc.model.to(ctx.device)
+    pad_id = enc.tokenizer.pad_token_id if enc.tokenizer.pad_token_id is not None else 0
     L, H = enc.num_layers, enc.num_heads
     methods = list(methods)
     sums = {m: {k: np.zeros((L, H)) for k in ("js", "spearman", "top1", "n", "n_rho")} for m in methods}
@@ -123,9 +140,9 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int = 50, min_words: 
         _, attn = hidden_and_attention(model, ids)
         attn = attn.cpu().numpy()  # (L, H, T, T)
         pats["attention"] += pattern_counts(attn)
-        base = ig_baseline(model, ids, baseline, enc.tokenizer.pad_token_id or 0)
+        base = ig_baseline(model, ids, baseline, pad_id)  # (T, E)
         for m in methods:
-            dist = head_attributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()
+            dist = head_attributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()  # (L, H, T, T)
             c = compare(dist, attn)
             s = sums[m]
             s["js"] += c["js"].sum(-1)
@@ -171,7 +188,8 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int = 50, min_words: 
     for m, g in layers.groupby("method"):
         trend[m] = {c: float(np.corrcoef(g.layer, g[c])[0, 1]) for c in ("js", "spearman", "top1")}
     ctx.log_summary(dict(
-        analysis="attribution", split=split, encoder=enc.name, device=ctx.device, n_sentences=len(order),
+        analysis="attribution", split=split, encoder=enc.name, model_type=enc.model_type, device=ctx.device,
+        max_sentences=max_sentences, n_shortest=n_shortest, min_words=min_words, n_sentences=len(order),
         mean_pieces=float(np.mean([encoded[i].n_pieces for i in order])) if order else None,
         methods=methods, ig_steps=ig_steps, baseline=baseline, seconds=round(time.time() - t0, 1),
         per_layer={m: {c: [round(float(v), 4) for v in g[c]] for c in ("js", "spearman", "top1")}

@@ -1,10 +1,13 @@
 """``analysis=flow``: gradient flow vs attention (Westera 2019), word level, live encoder.
 
-For every sentence ``[CLS] s [SEP]`` (alone, no padding), every layer ``n`` (0-based ``layer`` = n - 1
-in the files) and every word pair (``t1`` = input / attended, ``t2`` = output / attending):
+Any supported encoder family (``ctx.encoder``; the model is reached through :mod:`probes.model.hooks`).
+For every sentence ``[CLS] s [SEP]`` (the tokenizer's own special tokens; alone, no padding), every
+layer ``n`` (0-based ``layer`` = n - 1 in the files) and every word pair (``t1`` = input / attended,
+``t2`` = output / attending):
 
 * ``G``  = ``|| d sum_d h_n(t2)[d] / d h_{n-1}(t1) ||_2`` - gradient flow from the previous layer;
-* ``Gstar`` (G*) = the same w.r.t. ``h_0(t1)`` (embedding output, after its LayerNorm);
+* ``Gstar`` (G*) = the same w.r.t. ``h_0(t1)`` (input of the first block: embedding output after its
+  LayerNorm);
 * ``A``  = ``t2``'s attention to ``t1`` at layer ``n``, mean over heads.
 
 Scalar reduction (Westera's reference code ``mwestera/bertology`` ``interface_BERT.py``): backward of
@@ -18,15 +21,19 @@ vectors before the norm**: the output word's scalar is the mean of its pieces' s
 w.r.t. an input word is the sum of the gradients w.r.t. its pieces; then the 2-norm. ``[CLS]`` and
 ``[SEP]`` are kept as words 0 and W-1. Sentences longer than ``max_length`` pieces are skipped.
 
+Sentences: the first ``max_sentences`` of ``split`` in file order (null = all), then, if
+``n_sentences`` is set, a seeded random subset of that many of them (the same two parameters as
+``flow_correlates``).
+
 Correlations: Spearman's rho between G (resp. G*) and A over word pairs, per layer and over all
 layers pooled (``scope``), for ``pairs=all`` (every pair incl. self pairs and [CLS]/[SEP]) and
 ``pairs=words_no_self`` (real words only, t1 != t2). Westera reports rho = .41 for G vs A (BERT-base).
 Also the mean over sentences of the per-sentence rho (``per_sentence_mean``).
 
 Outputs: ``flow_pairs.csv`` (sentence, layer, t2/t1 word index, words, distance, G, Gstar, A; 0-based;
-word index 0 = [CLS]), ``flow_correlations.csv`` (measure pair, pairs, scope/layer, rho, p, n),
-``flow_layers.csv`` (per-layer means of G, G*, A, self-share), ``flow_layers.png`` (per-layer rho
-curves), ``flow_scatter.png`` (G vs A, subsampled), ``summary.json``.
+word index 0 = the first special token, e.g. [CLS]), ``flow_correlations.csv`` (measure pair, pairs,
+scope/layer, rho, p, n), ``flow_layers.csv`` (per-layer means of G, G*, A, self-share),
+``flow_layers.png`` (per-layer rho curves), ``flow_scatter.png`` (G vs A, subsampled), ``summary.json``.
 """
 
 from __future__ import annotations
@@ -48,10 +55,24 @@ log = logging.getLogger(__name__)
 MEASURES = ("G", "Gstar", "A")
 
 
+def select_sentences(n_total: int, max_sentences: int | None = None, n_sentences: int | None = None,
+                     seed: int = 0) -> list[int]:
+    """Indices (sorted): the first ``max_sentences`` (file order; None = all), then a seeded random
+    subset of ``n_sentences`` of those (None = all of them)."""
+    idx = list(range(n_total))[:max_sentences]
+    if n_sentences is not None and n_sentences < len(idx):
+        idx = sorted(random.Random(seed).sample(idx, n_sentences))
+    return idx
+
+
 def sentence_flow(encoder, words_list, device: str = "cpu", max_length: int | None = None, chain: bool = True,
                   chunk_size: int | None = None, level: str = "word", desc: str = "flow"):
-    """Yield ``(index, encoded, dict(G, Gstar, A))`` for every sentence (list of words) that fits."""
-    max_length = max_length or encoder.max_length
+    """Yield ``(index, encoded, dict(G, Gstar, A))`` for every sentence (list of words) that fits.
+
+    ``encoder``: :class:`probes.model.load.Encoder` (``.model``, ``.tokenizer``, ``.max_length``);
+    ``max_length`` (pieces, special tokens included) defaults to and is capped at ``encoder.max_length``.
+    """
+    max_length = min(max_length or encoder.max_length, encoder.max_length)
     encoded = encode_words(encoder.tokenizer, [list(w) for w in words_list])
     model = encoder.model.to(device)
     for i, e in enumerate(tqdm(encoded, desc=desc, unit="sent", disable=None)):
@@ -67,10 +88,12 @@ def sentence_flow(encoder, words_list, device: str = "cpu", max_length: int | No
         yield i, e, gradient_flow(model, ids, fm, tm, chain=chain, chunk_size=chunk_size)
 
 
-def pair_rows(sid: int, words: list[str], flow: dict[str, torch.Tensor]) -> pd.DataFrame:
-    """Tidy rows (one per layer x t2 x t1) of one sentence's word-level flow."""
+def pair_rows(sid: int, words: list[str], flow: dict[str, torch.Tensor],
+              specials: tuple[str, str] = ("[CLS]", "[SEP]")) -> pd.DataFrame:
+    """Tidy rows (one per layer x t2 x t1) of one sentence's word-level flow (``flow`` values (L, W, W));
+    ``specials``: labels of the first and last special token."""
     L, W, _ = flow["A"].shape
-    toks = ["[CLS]", *words, "[SEP]"]
+    toks = [specials[0], *words, specials[1]]
     lay, t2, t1 = np.meshgrid(np.arange(L), np.arange(W), np.arange(W), indexing="ij")
     df = pd.DataFrame(dict(sentence=sid, layer=lay.ravel(), t2=t2.ravel(), t1=t1.ravel()))
     df["word2"] = np.array(toks, dtype=object)[df.t2.to_numpy()]
@@ -153,7 +176,7 @@ def scatter_figure(df: pd.DataFrame, max_points: int = 5000, seed: int = 0):
     return fig
 
 
-def flow(ctx, *, split: str = "dev", max_sentences: int | None = 100, random_subset: bool = False,
+def flow(ctx, *, split: str = "dev", max_sentences: int | None = 100, n_sentences: int | None = None,
          seed: int = 0, chain: bool = True, level: str = "word", chunk_size: int | None = None,
          max_length: int | None = None, num_threads: int | None = None, scatter_points: int = 5000,
          save_pairs: bool = True) -> pd.DataFrame:
@@ -161,19 +184,18 @@ def flow(ctx, *, split: str = "dev", max_sentences: int | None = 100, random_sub
     t0 = time.time()
     if num_threads:
         torch.set_num_threads(int(num_threads))
-    sents = ctx.sentences(split)
-    idx = list(range(len(sents)))
-    if random_subset and max_sentences is not None and max_sentences < len(idx):
-        idx = sorted(random.Random(seed).sample(idx, max_sentences))
-    else:
-        idx = idx[:max_sentences]
+    sents = ctx.sentences(split, max_sentences)
+    idx = select_sentences(len(sents), None, n_sentences, seed)
     chosen = [sents[i] for i in idx]
+    tok = ctx.encoder.tokenizer
     parts = []
     for k, e, fl in sentence_flow(ctx.encoder, [s.words for s in chosen], ctx.device, max_length, chain,
                                   chunk_size, level):
-        words = list(chosen[k].words) if level == "word" else ctx.encoder.tokenizer.convert_ids_to_tokens(
-            e.input_ids)[1:-1]
-        parts.append(pair_rows(idx[k], words, fl))
+        pieces = tok.convert_ids_to_tokens(e.input_ids)
+        words = list(chosen[k].words) if level == "word" else pieces[1:-1]
+        parts.append(pair_rows(idx[k], words, fl, (pieces[0], pieces[-1])))
+    if not parts:
+        raise ValueError(f"flow: no sentence of {split} fits (max_length {max_length or ctx.encoder.max_length})")
     df = pd.concat(parts, ignore_index=True)
     seconds = time.time() - t0
     corr = correlations(df)
@@ -192,7 +214,8 @@ def flow(ctx, *, split: str = "dev", max_sentences: int | None = 100, random_sub
         return [round(float(r), 4) for r in c.rho] if scope == "layer" else round(float(c.rho.iloc[0]), 4)
 
     ctx.log_summary(dict(
-        analysis="flow", split=split, encoder=ctx.encoder.name, level=level, device=ctx.device,
+        analysis="flow", split=split, encoder=ctx.encoder.name, model_type=ctx.encoder.model_type, level=level,
+        device=ctx.device, max_sentences=max_sentences, n_sentences_sampled=n_sentences,
         n_sentences=int(df.sentence.nunique()), n_pairs_per_layer=int((df.layer == 0).sum()),
         seconds=round(seconds, 1), reduction="G = ||d sum_d h_n(t2)[d] / d h_{n-1}(t1)||_2 (Westera)",
         rho_G_A_all=pick("G", "all", "all_layers"), rho_Gstar_A_all=pick("Gstar", "all", "all_layers"),

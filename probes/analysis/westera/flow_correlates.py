@@ -1,11 +1,13 @@
 """``analysis=flow_correlates``: what the flow measures pick up (Westera 2019), on GUM (``data=gum``).
 
 Flow per sentence and layer as :mod:`probes.analysis.westera.flow` (word level; ``G``, ``Gstar`` = G*, ``A``;
-``measure[layer, t2, t1]`` = flow from input word t1 to output word t2), on a seeded random subset of
-``n_sentences`` sentences of ``split`` (paper: 500). Real words only ([CLS]/[SEP] and t1 == t2 left out).
+``measure[layer, t2, t1]`` = flow from input word t1 to output word t2), any encoder family. Sentences:
+the first ``max_sentences`` of ``split`` (file order; null = all), of which a seeded random subset of
+``n_sentences`` (paper: 500; null = all) - the same two parameters as ``flow``. Real words only (the
+special tokens and t1 == t2 left out).
 
 Two contrasts, each per layer and per measure, with token distance controlled for by **OLS**
-(pure numpy/scipy, :func:`probes.analysis.westera.gradflow.ols`; statsmodels is not installed/needed):
+(pure numpy/scipy, :func:`probes.analysis.stats.ols`; statsmodels is not installed/needed):
 
 * ``open_class``: all pairs (t1, t2); indicator = t1's gold UPOS is open-class (``open_upos``, default
   NOUN VERB ADJ ADV PROPN) vs closed-class (``closed_upos``, default the UD closed classes ADP AUX
@@ -29,7 +31,6 @@ Outputs: ``flow_correlates.csv`` (one row per contrast x measure x layer x trans
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import defaultdict
 
@@ -37,8 +38,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.analysis.westera.flow import sentence_flow
-from probes.analysis.westera.gradflow import ols
+from probes.analysis.stats import ols
+from probes.analysis.westera.flow import select_sentences, sentence_flow
 
 log = logging.getLogger(__name__)
 
@@ -144,20 +145,19 @@ def effect_figure(eff: pd.DataFrame, transform: str = "log"):
     return fig
 
 
-def flow_correlates(ctx, *, split: str = "dev", n_sentences: int | None = 500, seed: int = 0,
-                    open_upos=OPEN_UPOS, closed_upos=CLOSED_UPOS, noun_upos=("NOUN", "PROPN"),
+def flow_correlates(ctx, *, split: str = "dev", max_sentences: int | None = None, n_sentences: int | None = 500,
+                    seed: int = 0, open_upos=OPEN_UPOS, closed_upos=CLOSED_UPOS, noun_upos=("NOUN", "PROPN"),
                     pron_upos=("PRON",), chain: bool = True, chunk_size: int | None = None,
                     max_length: int | None = None, num_threads: int | None = None,
                     transforms=("raw", "log"), save_pairs: bool = False) -> pd.DataFrame:
-    """Flow on a seeded random subset of GUM; OLS of each measure on the contrasts; save and return effects."""
+    """Flow on a seeded random subset of the first ``max_sentences`` sentences of GUM ``split``; OLS of each
+    measure on the contrasts; save and return the effects."""
     t0 = time.time()
     if num_threads:
         torch.set_num_threads(int(num_threads))
-    sents = ctx.sentences(split)
+    sents = ctx.sentences(split)  # the whole split: coreference clusters are read per document
     clusters = head_clusters(sents, ctx.treebank.path(split))
-    idx = list(range(len(sents)))
-    if n_sentences is not None and n_sentences < len(idx):
-        idx = sorted(random.Random(seed).sample(idx, n_sentences))
+    idx = select_sentences(len(sents), max_sentences, n_sentences, seed)
     chosen = [sents[i] for i in idx]
     parts = []
     for k, e, fl in sentence_flow(ctx.encoder, [s.words for s in chosen], ctx.device, max_length, chain,
@@ -167,6 +167,8 @@ def flow_correlates(ctx, *, split: str = "dev", n_sentences: int | None = 500, s
             continue
         parts.append(pair_table(idx[k], s.upos, clusters[idx[k]], fl, open_upos, closed_upos, noun_upos,
                                 pron_upos))
+    if not parts:
+        raise ValueError(f"flow_correlates: no usable sentence in {split}")
     df = pd.concat(parts, ignore_index=True)
     seconds_flow = time.time() - t0
     reg = regressions(df, transforms=tuple(transforms))
@@ -184,7 +186,8 @@ def flow_correlates(ctx, *, split: str = "dev", n_sentences: int | None = 500, s
                  z_cluster=round(float(r.get("z_cluster", np.nan)), 2),
                  p_cluster=float(r.get("p_cluster", np.nan)), t=round(float(r.get("t", np.nan)), 2)))
     ctx.log_summary(dict(
-        analysis="flow_correlates", split=split, encoder=ctx.encoder.name, seed=seed,
+        analysis="flow_correlates", split=split, encoder=ctx.encoder.name, model_type=ctx.encoder.model_type,
+        seed=seed, max_sentences=max_sentences,
         n_sentences=int(df.sentence.nunique()), n_pairs_per_layer=int(len(l0)),
         n_open_class_pairs=int((l0.open1 == 1).sum()), n_closed_class_pairs=int((l0.open1 == 0).sum()),
         n_noun_pron_pairs=int(l0.coreferent.notna().sum()), n_coreferent_pairs=int((l0.coreferent == 1).sum()),

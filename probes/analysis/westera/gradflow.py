@@ -1,12 +1,16 @@
 """Shared maths of the gradient-flow (Westera 2019) and gradient-attribution (Pascual et al. 2021) analyses.
 
-Everything here takes plain tensors / a HF ``BertModel`` and one sentence at a time (no padding, so no
-attention mask is needed and a sentence's numbers never depend on what it is batched with).
+Everything here takes plain tensors / any encoder of a supported family (BERT, DistilBERT, ALBERT,
+DeBERTa-v2, ...; base or task model) and one sentence at a time (no padding, so a sentence's numbers
+never depend on what it is batched with). The model is reached only through the model-access layer
+(:mod:`probes.model.hooks`): attention maps from an attention session, per-layer functions from
+:func:`~probes.model.hooks.block_function`, head outputs from a session with ``values=True``.
 
 Gradient flow (:func:`gradient_flow`)
 -------------------------------------
-For layer ``n`` (1-based: layer ``n`` maps ``h_{n-1}`` to ``h_n``; ``h_0`` = embedding output, i.e. the
-model's ``hidden_states[0]`` after the embedding LayerNorm) and positions ``t1`` (input), ``t2`` (output):
+For layer ``n`` (1-based: layer ``n`` maps ``h_{n-1}`` to ``h_n``; ``h_0`` = the input of the first
+block, i.e. the model's ``hidden_states[0]``: the embedding output after its LayerNorm, after ALBERT's
+embedding projection) and positions ``t1`` (input), ``t2`` (output):
 
 * ``G_n(t1, t2)  = || d s_n(t2) / d h_{n-1}(t1) ||_2``
 * ``G*_n(t1, t2) = || d s_n(t2) / d h_0(t1) ||_2``
@@ -19,10 +23,12 @@ axis=-1)``, the 2-norm over the hidden units of each input token. (His code runs
 ``train()`` mode, i.e. with dropout; we use the frozen model in eval mode, deterministic.)
 
 All output positions at once: the gradients of the ``T`` scalars are the vector-Jacobian products of
-the layer function with the ``T`` cotangents ``e_t2 (x) 1_D``; ``torch.func.vjp`` linearises the layer
-once and ``torch.func.vmap`` applies the VJP to all cotangents in one batched backward pass. ``G*``
-chains the same per-layer VJP functions down to ``h_0`` (``n`` batched passes for layer ``n``), so a
-sentence costs ``L`` linearisations and ``L (L + 1) / 2`` batched VJPs.
+the block function (``hooks.block_function``: block ``n``'s output as a function of its input hidden
+states) with the ``T`` cotangents ``e_t2 (x) 1_D``; ``torch.func.vjp`` linearises the block once and
+``torch.func.vmap`` applies the VJP to all cotangents in one batched backward pass. ``G*`` chains the
+same per-layer VJP functions down to ``h_0`` (``n`` batched passes for layer ``n``), so a sentence
+costs ``L`` linearisations and ``L (L + 1) / 2`` batched VJPs. :func:`gradient_flow_loop` is the
+independent reference: one plain forward and one ``autograd.grad`` per output token.
 
 Word-level pooling (the cache's: attention FROM a word = mean over its pieces, TO a word = sum over its
 pieces): it is applied to the **gradient vectors, before the norm** - the cotangent of output word
@@ -30,70 +36,67 @@ pieces): it is applied to the **gradient vectors, before the norm** - the cotang
 pieces of ``s_n``), and the gradient w.r.t. input word ``w1`` is the sum of the gradients w.r.t. its
 pieces (``M_to[w1]``; = the gradient for one perturbation added to every piece of ``w1``); then the
 2-norm over ``D``. Both are exact linear maps of the piece-level Jacobian, so with identity pooling
-matrices this is the piece-level G. ``[CLS]`` and ``[SEP]`` are words 0 and ``W - 1`` as in the cache.
+matrices this is the piece-level G. The first and last special tokens are words 0 and ``W - 1``.
 
 Head attributions (:func:`head_attributions`)
 ---------------------------------------------
-For every layer ``l``, head ``h`` and position ``i`` the head's output is its context vector slice
-``c_{l,h,i}`` (``d_h`` units, before the attention output projection; captured from the
-self-attention module's output). It is reduced to the scalar ``sum_k c_{l,h,i}[k]`` (the same
-sum reduction as above), and its attribution to input token ``j`` is taken over the **word-embedding
-vectors** ``x_j`` (output of ``embeddings.word_embeddings``; position/type embeddings and the embedding
-LayerNorm stay in the model):
+For every layer ``l``, head ``h`` and position ``i`` the head's output is ``o_{l,h,i}`` (``d_h``
+units, ``A V`` before the attention output projection: ``s.output[l]`` of a ``hooks.attention(...,
+values=True)`` session). It is reduced to the scalar ``sum_k o_{l,h,i}[k]`` (the same sum reduction
+as above), and its attribution to input token ``j`` is taken over the **word-embedding vectors**
+``x_j`` (``model.get_input_embeddings()(ids)``, fed as ``inputs_embeds``; position/type embeddings
+and the embedding LayerNorm stay in the model):
 
 * gradient x input: ``x_j * d s / d x_j``;
 * integrated gradients with a zero baseline (all word embeddings 0, position/type embeddings
   unchanged): ``x_j * mean_k d s / d x_j (alpha_k x)`` with ``alpha_k = (k - 1/2) / steps``
   (Riemann midpoint rule, ``steps`` points), the same as captum's ``method="riemann_middle"``.
 
-All ``L * H * T`` targets of a sentence are done by one ``vjp`` per (IG step) and ``vmap`` over the
-one-hot cotangents (in chunks). The distribution over input tokens is
-``|attr|`` summed over the embedding dimension, normalised to sum 1 (:func:`attribution_distribution`).
+All ``H * T`` targets of a layer are done by one ``vjp`` per (IG step) of the model stopped after
+that layer's attention (``stop=True``) and ``vmap`` over the one-hot cotangents (in chunks). The
+distribution over input tokens is ``|attr|`` summed over the embedding dimension, normalised to sum 1
+(:func:`attribution_distribution`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch.func import vjp, vmap
 
-# --------------------------------------------------------------------------- model plumbing
+from probes.model import hooks
 
 
-def bert_base(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``BertModel`` inside a task model (or the model itself)."""
-    return getattr(model, getattr(model, "base_model_prefix", ""), model)
+def _inputs(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Batch-of-one model inputs of one unpadded sentence: ``input_ids``, ``attention_mask`` (1, T)."""
+    ids = input_ids.unsqueeze(0)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
-def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    base = bert_base(model)
-    layers = getattr(getattr(base, "encoder", None), "layer", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no encoder.layer (BERT-family encoder expected)")
-    return list(layers)
-
-
-def _layer_fn(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(T, D) -> (T, D): one encoder layer on one unpadded sentence."""
-
-    def f(h: torch.Tensor) -> torch.Tensor:
-        out = layer(h.unsqueeze(0))
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        return out.squeeze(0)
-
-    return f
+def num_layers(model: torch.nn.Module) -> int:
+    return int(model.config.num_hidden_layers)
 
 
 @torch.no_grad()
 def hidden_and_attention(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``(hidden states h_0..h_L each (T, D), attention (L, H, T, T))`` of one sentence (1-D ids)."""
-    base = bert_base(model)
-    out = base(input_ids=input_ids.unsqueeze(0), output_hidden_states=True, output_attentions=True)
-    hs = [h[0] for h in out.hidden_states]
-    attn = torch.stack([a[0] for a in out.attentions]).float()
+    """``(hidden states h_0..h_L each (T, D), attention (L, H, T, T))`` of one sentence (1-D ids), one forward."""
+    with hooks.attention(model) as s:
+        out = s.run(**_inputs(input_ids), output_hidden_states=True)
+        attn = s.attentions()[0].float()  # (L, H, T, T)
+    hs = [h[0] for h in out.hidden_states]  # L + 1 x (T, D)
     return hs, attn
+
+
+def block_functions(model: torch.nn.Module, input_ids: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """Per layer ``n``: ``f_n(x (T, D)) -> (T, D)``, block ``n``'s output when its input hidden states are ``x``."""
+    inputs = _inputs(input_ids)
+    fns = []
+    for n in range(num_layers(model)):
+        f = hooks.block_function(model, n, **inputs)  # (1, T, D) -> (1, T, D)
+        fns.append(lambda x, f=f: f(x.unsqueeze(0)).squeeze(0))
+    return fns
 
 
 # --------------------------------------------------------------------------- gradient flow
@@ -104,41 +107,41 @@ def gradient_flow(model: torch.nn.Module, input_ids: torch.Tensor, from_mat: tor
                   ) -> dict[str, torch.Tensor]:
     """G, G* and head-mean attention of one sentence, pooled to words.
 
-    ``input_ids``: (T,) with [CLS]/[SEP]; ``from_mat``/``to_mat``: (W, T) pooling matrices of
+    ``input_ids``: (T,) with the special tokens; ``from_mat``/``to_mat``: (W, T) pooling matrices of
     :func:`probes.model.inputs.pooling_matrix` (``mean`` / ``sum``); None = identity (pieces).
     Returns float32 CPU tensors ``G`` (L, W, W), ``Gstar`` (L, W, W) (only if ``chain``) and ``A``
     (L, W, W) (head mean of ``M_from A M_to^T``); all indexed ``[layer, output/from t2, input/to t1]``,
     the orientation of an attention map (row = attending token).
     """
     device = input_ids.device
-    hs, attn = hidden_and_attention(model, input_ids)
+    hs, attn = hidden_and_attention(model, input_ids)  # L + 1 x (T, D), (L, H, T, T)
     T, D = hs[0].shape
-    eye = torch.eye(T, device=device)
-    fm = eye if from_mat is None else from_mat.to(device=device, dtype=hs[0].dtype)
-    tm = eye if to_mat is None else to_mat.to(device=device, dtype=hs[0].dtype)
-    layers = encoder_layers(model)
+    eye = torch.eye(T, device=device, dtype=hs[0].dtype)
+    fm = eye if from_mat is None else from_mat.to(device=device, dtype=hs[0].dtype)  # (W, T)
+    tm = eye if to_mat is None else to_mat.to(device=device, dtype=hs[0].dtype)  # (W, T)
+    fns = block_functions(model, input_ids)
     vjp_fns = []
-    for n, layer in enumerate(layers):
-        _, fn = vjp(_layer_fn(layer), hs[n])
+    for n, f in enumerate(fns):
+        _, fn = vjp(f, hs[n])  # linearise block n at its actual input
         vjp_fns.append(fn)
     # cotangents: output word w2 = mean over its pieces, all hidden units -> (W, T, D)
     cot = fm[:, :, None].expand(-1, -1, D).contiguous()
 
-    def pull(fn, c):
+    def pull(fn, c):  # (W, T, D) cotangents -> (W, T, D) gradients w.r.t. the block input
         return vmap(lambda v: fn(v)[0], chunk_size=chunk_size)(c)
 
     def pool_norm(g):  # (W, T, D) -> (W, W): sum over the input word's pieces, then 2-norm over D
         return torch.linalg.vector_norm(torch.einsum("atd,bt->abd", g, tm), dim=-1)
 
     G, Gs = [], []
-    for n in range(len(layers)):
+    for n in range(len(fns)):
         g = pull(vjp_fns[n], cot)
         G.append(pool_norm(g))
         if chain:
             for m in range(n - 1, -1, -1):
                 g = pull(vjp_fns[m], g)
             Gs.append(pool_norm(g))
-    A = (fm @ attn.to(device) @ tm.T).mean(dim=1)  # (L, W, W)
+    A = (fm @ attn.to(device=device, dtype=fm.dtype) @ tm.T).mean(dim=1)  # (L, W, W)
     out = dict(G=torch.stack(G).float().cpu(), A=A.float().cpu())
     if chain:
         out["Gstar"] = torch.stack(Gs).float().cpu()
@@ -148,75 +151,54 @@ def gradient_flow(model: torch.nn.Module, input_ids: torch.Tensor, from_mat: tor
 def gradient_flow_loop(model: torch.nn.Module, input_ids: torch.Tensor, chain: bool = False) -> torch.Tensor:
     """Reference G (or G* when ``chain``) at piece level with one ``autograd.grad`` per output token (tests).
 
-    Westera's loop: for every layer and output token ``t2``, backward of ``sum_d h_n(t2)`` to
-    ``h_{n-1}`` (``h_0`` when ``chain``), 2-norm over the hidden units. Returns (L, T, T) [t2, t1].
+    Westera's loop, independent of the block functions and of vjp/vmap: one plain forward
+    ``model(inputs_embeds=..., output_hidden_states=True)``, then for every layer and output token
+    ``t2`` the gradient of ``sum_d h_n(t2)`` w.r.t. the intermediate tensor ``h_{n-1}`` (``h_0`` when
+    ``chain``), 2-norm over the hidden units. Returns (L, T, T) [t2, t1]. Needs ``hidden_states[n]`` to
+    be block ``n - 1``'s output (BERT, DistilBERT, ALBERT, DeBERTa-v2: tested; not ModernBERT's last
+    entry, which is after the final norm).
     """
-    base = bert_base(model)
     with torch.enable_grad():
-        emb = base.embeddings(input_ids=input_ids.unsqueeze(0)).detach().requires_grad_(True)
-        h, inputs, outputs = emb, [], []
-        for layer in encoder_layers(model):
-            x = h if chain else h.detach().requires_grad_(True)
-            out = layer(x)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            inputs.append(emb if chain else x)
-            outputs.append(out)
-            h = out
+        x = model.get_input_embeddings()(input_ids.unsqueeze(0)).detach().requires_grad_(True)  # (1, T, E)
+        inputs = hooks.model_inputs(model, inputs_embeds=x, attention_mask=torch.ones_like(input_ids)[None],
+                                    output_hidden_states=True)
+        hs = model(**inputs).hidden_states  # L + 1 x (1, T, D), one graph
         res = []
-        for x, y in zip(inputs, outputs):
-            T = y.shape[1]
+        for n in range(1, len(hs)):
+            src, y = (hs[0] if chain else hs[n - 1]), hs[n]
             rows = []
-            for t2 in range(T):
-                (g,) = torch.autograd.grad(y[0, t2].sum(), x, retain_graph=True)
-                rows.append(torch.linalg.vector_norm(g[0], dim=-1))
-            res.append(torch.stack(rows))
-    return torch.stack(res).detach()
+            for t2 in range(y.shape[1]):
+                (g,) = torch.autograd.grad(y[0, t2].sum(), src, retain_graph=True)
+                rows.append(torch.linalg.vector_norm(g[0], dim=-1))  # (T,)
+            res.append(torch.stack(rows))  # (T, T)
+    return torch.stack(res).detach()  # (L, T, T)
 
 
 # --------------------------------------------------------------------------- head attributions
 
 
-def _context_capture(model: torch.nn.Module):
-    """Forward hooks on every ``attention.self`` that collect its context output (B, T, H*d_h)."""
-    from probes.extract.stage import self_attention_modules
-
-    mods = self_attention_modules(model)
-    if mods is None:
-        raise ValueError("no BERT-style self-attention modules found")
-    store: list[torch.Tensor] = []
-
-    def hook(_m, _inp, out):
-        store.append(out[0] if isinstance(out, (tuple, list)) else out)
-
-    return mods, store, hook
+def _head_scalars(out: torch.Tensor) -> torch.Tensor:
+    """Head outputs (B, T, H, d) -> per-head scalars (B, H, T): the sum over each head's d units."""
+    return out.sum(-1).transpose(1, 2)
 
 
 def head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x (T, D) word embeddings -> s (L, H, T)``, ``s[l, h, i] = sum_k c_{l,h,i}[k]`` (see module doc)."""
-    base = bert_base(model)
-    H = base.config.num_attention_heads
-    mods, store, hook = _context_capture(model)
-    token_type = torch.zeros_like(input_ids).unsqueeze(0)
+    """``x (T, D) word embeddings -> s (L, H, T)``, ``s[l, h, i] = sum_k o_{l,h,i}[k]`` (full model; see module doc)."""
+    mask = torch.ones_like(input_ids).unsqueeze(0)  # (1, T)
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        store.clear()
-        handles = [m.register_forward_hook(hook) for m in mods]
-        try:
-            base(inputs_embeds=x.unsqueeze(0), token_type_ids=token_type)
-        finally:
-            for hd in handles:
-                hd.remove()
-        ctx = torch.stack([c[0] for c in store])  # (L, T, H*d_h)
-        L, T, HD = ctx.shape
-        store.clear()
-        return ctx.reshape(L, T, H, HD // H).sum(-1).permute(0, 2, 1)  # (L, H, T)
+        with hooks.attention(model, values=True) as s:
+            s.run(inputs_embeds=x.unsqueeze(0), attention_mask=mask)
+            out = torch.stack([s.output[l][0] for l in s.capture])  # (L, T, H, d)
+        return _head_scalars(out)  # (L, H, T)
 
     return f
 
 
 def word_embeddings(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The input (word) embeddings ``model.get_input_embeddings()(ids)``: (T, E)."""
     with torch.no_grad():
-        return bert_base(model).embeddings.word_embeddings(input_ids)
+        return model.get_input_embeddings()(input_ids)
 
 
 def jacobian_rows(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_size: int | None = None
@@ -249,33 +231,27 @@ def integrated_gradients(f, x: torch.Tensor, baseline: torch.Tensor | None = Non
 
 def layer_head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor, layer: int
                           ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x (T, D) -> s (H, T)`` for one layer: the model truncated after ``encoder.layer[layer].attention.self``.
+    """``x (T, D) -> s (H, T)`` for one layer: the model stopped right after layer ``layer``'s attention.
 
-    Runs the embeddings (``inputs_embeds=x``, token type 0) and layers ``0..layer-1``, then the layer's
-    self-attention module, and sums its context output (the tensor a forward hook on that module
-    captures, see :func:`head_scalars_fn`) over each head's ``d_h`` units. Same numbers as
-    :func:`head_scalars_fn` ``[layer]`` (tested); the truncation saves the backward through later layers.
+    Runs the model on ``inputs_embeds=x`` in a ``hooks.attention(layers=[layer], stop=True,
+    values=True)`` session and sums the head outputs ``s.output[layer]`` (1, T, H, d) over each head's
+    ``d`` units. Same numbers as :func:`head_scalars_fn` ``[layer]`` (tested); the early stop saves the
+    forward and backward through later layers.
     """
-    base = bert_base(model)
-    H = base.config.num_attention_heads
-    layers = encoder_layers(model)
-    token_type = torch.zeros_like(input_ids).unsqueeze(0)
+    mask = torch.ones_like(input_ids).unsqueeze(0)  # (1, T)
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        h = base.embeddings(inputs_embeds=x.unsqueeze(0), token_type_ids=token_type)
-        for m in range(layer):
-            out = layers[m](h)
-            h = out[0] if isinstance(out, (tuple, list)) else out
-        ctx = layers[layer].attention.self(h)[0][0]  # (T, H*d_h)
-        T, HD = ctx.shape
-        return ctx.reshape(T, H, HD // H).sum(-1).T  # (H, T)
+        with hooks.attention(model, layers=[layer], stop=True, values=True) as s:
+            s.run(inputs_embeds=x.unsqueeze(0), attention_mask=mask)
+            out = s.output[layer]  # (1, T, H, d)
+        return _head_scalars(out)[0]  # (H, T)
 
     return f
 
 
 def ig_baseline(model: torch.nn.Module, input_ids: torch.Tensor, kind: str = "zero", pad_id: int = 0) -> torch.Tensor:
-    """IG baseline in word-embedding space: ``zero`` = all zeros; ``pad`` = [PAD]'s word embedding at
-    every position but the first ([CLS]) and last ([SEP]), which keep their own embeddings."""
+    """IG baseline in word-embedding space (T, E): ``zero`` = all zeros; ``pad`` = the pad token's
+    embedding at every position but the first and last (special tokens), which keep their own."""
     x = word_embeddings(model, input_ids)
     if kind == "zero":
         return torch.zeros_like(x)
@@ -293,49 +269,40 @@ def head_attributions(model: torch.nn.Module, input_ids: torch.Tensor, method: s
     One truncated model per layer (:func:`layer_head_scalars_fn`); ``|attr|`` summed over the
     embedding dimension and normalised (:func:`attribution_distribution`); see the module doc.
     """
-    x = word_embeddings(model, input_ids)
+    x = word_embeddings(model, input_ids)  # (T, E)
+    T = x.shape[0]
     out = []
-    for layer in range(len(encoder_layers(model))):
+    for layer in range(num_layers(model)):
         f = layer_head_scalars_fn(model, input_ids, layer)
         if method in ("ixg", "input_x_gradient"):
-            attr = input_x_gradient(f, x, chunk_size)
+            attr = input_x_gradient(f, x, chunk_size)  # (H*T, T, E)
         elif method in ("ig", "integrated_gradients"):
             attr = integrated_gradients(f, x, baseline, steps, chunk_size)
         else:
             raise ValueError(f"unknown attribution method {method!r} (ig | ixg)")
-        T = x.shape[0]
         H = attr.shape[0] // T
-        out.append(attribution_distribution(attr.reshape(H, T, *x.shape)))
-    return torch.stack(out).detach()
+        out.append(attribution_distribution(attr.reshape(H, T, *x.shape)))  # (H, T, T)
+    return torch.stack(out).detach()  # (L, H, T, T)
 
 
 def captum_head_attribution(model: torch.nn.Module, input_ids: torch.Tensor, layer: int, head: int, pos: int,
                             method: str = "ig", steps: int = 20, baseline: torch.Tensor | None = None
                             ) -> torch.Tensor:
-    """One target's raw attribution (T, D) with captum (``IntegratedGradients`` with
+    """One target's raw attribution (T, E) with captum (``IntegratedGradients`` with
     ``method="riemann_middle"`` / ``InputXGradient``) on the word-embedding input - the reference the
     batched :func:`head_attributions` is checked against. The forward function runs the full model
-    with forward hooks on every ``attention.self`` (:func:`head_scalars_fn`), batched over IG steps."""
+    (all layers captured, no early stop), batched over IG steps."""
     from captum.attr import InputXGradient, IntegratedGradients
 
-    base = bert_base(model)
-    H = base.config.num_attention_heads
-    mods, store, hook = _context_capture(model)
+    H = int(model.config.num_attention_heads)
 
-    def forward(x):  # (B, T, D) -> (B, L*H*T)
-        store.clear()
-        handles = [m.register_forward_hook(hook) for m in mods]
-        try:
-            base(inputs_embeds=x, token_type_ids=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device))
-        finally:
-            for hd in handles:
-                hd.remove()
-        ctx = torch.stack(list(store), 1)  # (B, L, T, H*d_h)
-        store.clear()
-        B, L, T, HD = ctx.shape
-        return ctx.reshape(B, L, T, H, HD // H).sum(-1).permute(0, 1, 3, 2).reshape(B, -1)
+    def forward(x):  # (B, T, E) -> (B, L*H*T)
+        with hooks.attention(model, values=True) as s:
+            s.run(inputs_embeds=x, attention_mask=torch.ones(x.shape[:2], dtype=torch.long, device=x.device))
+            out = torch.stack([s.output[l] for l in s.capture], 1)  # (B, L, T, H, d)
+        return out.sum(-1).transpose(2, 3).reshape(x.shape[0], -1)  # (B, L*H*T)
 
-    x = word_embeddings(model, input_ids).unsqueeze(0).clone()
+    x = word_embeddings(model, input_ids).unsqueeze(0).clone()  # (1, T, E)
     T = x.shape[1]
     target = (layer * H + head) * T + pos
     if method in ("ixg", "input_x_gradient"):
