@@ -11,6 +11,28 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+# Three sentences of "EWT dev" shape: determiners, a possessive, punctuation, a one-word sentence.
+TINY_CONLLU = """\
+# sent_id = s1
+1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_
+2\tdog\tdog\tNOUN\t_\t_\t3\tnsubj\t_\t_
+3\tbarked\tbark\tVERB\t_\t_\t0\troot\t_\t_
+4\t.\t.\tPUNCT\t_\t_\t3\tpunct\t_\t_
+
+# sent_id = s2
+1\tJohn\tJohn\tPROPN\t_\t_\t3\tnmod:poss\t_\t_
+2\t's\t's\tPART\t_\t_\t1\tcase\t_\t_
+3\tcat\tcat\tNOUN\t_\t_\t4\tnsubj\t_\t_
+4\tsat\tsit\tVERB\t_\t_\t0\troot\t_\t_
+5\ton\ton\tADP\t_\t_\t7\tcase\t_\t_
+6\tthe\tthe\tDET\t_\t_\t7\tdet\t_\t_
+7\tunbelievably-comfortable\tmat\tNOUN\t_\t_\t4\tobl\t_\t_
+8\t!\t!\tPUNCT\t_\t_\t4\tpunct\t_\t_
+
+# sent_id = s3
+1\tHello\thello\tINTJ\t_\t_\t0\troot\t_\t_
+
+"""
 WORDS = "the a cat dog saw liked house runs quickly big small red and of to in".split()
 
 

@@ -12,35 +12,12 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from probes.analysis.context import AnalysisContext
-from tests.conftest import shared_data_dir
+from tests.conftest import TINY_CONLLU, shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 SHARED_DATA = shared_data_dir()
 ANALYSES = ("head_stats", "dep_heads", "clustering")
-
-CONLLU = """\
-# sent_id = s1
-1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_
-2\tdog\tdog\tNOUN\t_\t_\t3\tnsubj\t_\t_
-3\tbarked\tbark\tVERB\t_\t_\t0\troot\t_\t_
-4\t.\t.\tPUNCT\t_\t_\t3\tpunct\t_\t_
-
-# sent_id = s2
-1\tJohn\tJohn\tPROPN\t_\t_\t3\tnmod:poss\t_\t_
-2\t's\t's\tPART\t_\t_\t1\tcase\t_\t_
-3\tcat\tcat\tNOUN\t_\t_\t4\tnsubj\t_\t_
-4\tsat\tsit\tVERB\t_\t_\t0\troot\t_\t_
-5\ton\ton\tADP\t_\t_\t7\tcase\t_\t_
-6\tthe\tthe\tDET\t_\t_\t7\tdet\t_\t_
-7\tunbelievably-comfortable\tmat\tNOUN\t_\t_\t4\tobl\t_\t_
-8\t!\t!\tPUNCT\t_\t_\t4\tpunct\t_\t_
-
-# sent_id = s3
-1\tHello\thello\tINTJ\t_\t_\t0\troot\t_\t_
-
-"""
-
 
 def _compose(overrides):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -51,7 +28,7 @@ def _compose(overrides):
 def tiny_cfg(tmp_path):
     """analyze config with the tiny encoder and a three-sentence 'EWT dev' in tmp_path."""
     (tmp_path / "data" / "ud_english_ewt").mkdir(parents=True)
-    (tmp_path / "data" / "ud_english_ewt" / "en_ewt-ud-dev.conllu").write_text(CONLLU)
+    (tmp_path / "data" / "ud_english_ewt" / "en_ewt-ud-dev.conllu").write_text(TINY_CONLLU)
 
     def make(analysis, *extra):
         return _compose([f"analysis={analysis}", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}",

@@ -17,38 +17,19 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from transformers import AutoModel, AutoModelForSequenceClassification
 
 from probes.analysis.context import run_analysis
 from probes.model import hooks
 from probes.model.inputs import encode_words, pad_encoded, pool_attention, pooling_matrix
 from probes.model.tiny import FAMILIES, tiny_encoder, tiny_folder
-from tests.conftest import ROOT, chain_overrides, compose_train, shared_data_dir
+from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train, shared_data_dir
 
 SENTS = [["The", "unbelievably", "quick", "fox", "jumped", "over", "the", "dog", "."],
          ["Hello", "!"], ["A", "cat", ",", "a", "dog", "and", "John", "'s", "mat", "sat", "."] * 2]
 TRAINER = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision="32-true", logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
-CONLLU = """\
-# sent_id = s1
-1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_
-2\tdog\tdog\tNOUN\t_\t_\t3\tnsubj\t_\t_
-3\tbarked\tbark\tVERB\t_\t_\t0\troot\t_\t_
-4\t.\t.\tPUNCT\t_\t_\t3\tpunct\t_\t_
-
-# sent_id = s2
-1\tJohn\tJohn\tPROPN\t_\t_\t3\tnmod:poss\t_\t_
-2\t's\t's\tPART\t_\t_\t1\tcase\t_\t_
-3\tcat\tcat\tNOUN\t_\t_\t4\tnsubj\t_\t_
-4\tsat\tsit\tVERB\t_\t_\t0\troot\t_\t_
-5\ton\ton\tADP\t_\t_\t7\tcase\t_\t_
-6\tthe\tthe\tDET\t_\t_\t7\tdet\t_\t_
-7\tunbelievably-comfortable\tmat\tNOUN\t_\t_\t4\tobl\t_\t_
-8\t!\t!\tPUNCT\t_\t_\t4\tpunct\t_\t_
-
-"""
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +105,7 @@ def _analysis_cfg(tmp_path, family, analysis, *extra, data_dir=None):
     if data_dir is None:
         data_dir = tmp_path / "data"
         (data_dir / "ud_english_ewt").mkdir(parents=True, exist_ok=True)
-        (data_dir / "ud_english_ewt" / "en_ewt-ud-dev.conllu").write_text(CONLLU)
+        (data_dir / "ud_english_ewt" / "en_ewt-ud-dev.conllu").write_text(TINY_CONLLU)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name="analyze", overrides=[
             f"analysis={analysis}", "encoder=tiny_family", f"encoder.family={family}",

@@ -279,19 +279,14 @@ def tables(acc: CorefAccumulator) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def figure(acc: CorefAccumulator, table: pd.DataFrame):
-    import matplotlib.pyplot as plt  # noqa: F401
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
+    import matplotlib.pyplot as plt
+
+    from probes.analysis import plots
 
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, max(3.2, 0.4 * acc.L + 1.5)),
                                    gridspec_kw=dict(width_ratios=[1.1, 1]))
     a = 100 * acc.head_accuracy("all")
-    im = ax0.imshow(a, aspect="auto", cmap="viridis", vmin=0)
-    ax0.set_xticks(range(acc.H), [str(h + 1) for h in range(acc.H)], fontsize=6)
-    ax0.set_yticks(range(acc.L), [str(l + 1) for l in range(acc.L)], fontsize=6)
-    ax0.set_xlabel("head")
-    ax0.set_ylabel("layer")
-    ax0.set_title(f"antecedent selection accuracy (%), all ({acc.count['all']} mentions)", fontsize=9)
-    fig.colorbar(im, ax=ax0, fraction=0.046, pad=0.04)
+    plots.layer_head_axes(ax0, a, vmin=0, title=f"antecedent selection accuracy (%), all ({acc.count['all']} mentions)")
     methods = table[table.method.isin(["best_head", *BASELINES])].reset_index(drop=True)
     x = np.arange(len(GROUPS))
     w = 0.8 / len(methods)

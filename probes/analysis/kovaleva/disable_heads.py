@@ -96,7 +96,7 @@ def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, d
 def heatmap(df: pd.DataFrame, metric: str, num_layers: int, num_heads: int, task: str):
     import matplotlib.pyplot as plt
 
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
+    from probes.analysis import plots
 
     d = df[(df.condition == "head") & (df.metric == metric)]
     m = np.full((num_layers, num_heads), np.nan)
@@ -105,17 +105,9 @@ def heatmap(df: pd.DataFrame, metric: str, num_layers: int, num_heads: int, task
     m = 100 * m  # percentage points
     lim = max(1e-6, float(np.nanmax(np.abs(m))))
     fig, ax = plt.subplots(figsize=(0.5 * num_heads + 2, 0.45 * num_layers + 1.5))
-    im = ax.imshow(m, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
-    for l in range(num_layers):
-        for h in range(num_heads):
-            ax.text(h, l, f"{m[l, h]:+.1f}", ha="center", va="center", fontsize=5)
-    ax.set_xticks(range(num_heads), [str(h + 1) for h in range(num_heads)], fontsize=7)
-    ax.set_yticks(range(num_layers), [str(l + 1) for l in range(num_layers)], fontsize=7)
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_title(f"{task}: change in dev {metric} when one head is disabled\n"
-                 f"(baseline {100 * base:.1f}; x100)", fontsize=8)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    plots.layer_head_axes(ax, m, cmap="RdBu", vmin=-lim, vmax=lim, annotate="{:+.1f}",
+                          title=f"{task}: change in dev {metric} when one head is disabled\n"
+                                f"(baseline {100 * base:.1f}; x100)")
     fig.tight_layout()
     return fig
 

@@ -70,23 +70,14 @@ def attention_cosine(model_a, model_b, batches, device="cpu", progress: bool = T
 def heatmaps(values: dict[str, np.ndarray]):
     import matplotlib.pyplot as plt
 
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
+    from probes.analysis import plots
 
     k = len(values)
     L, H = next(iter(values.values())).shape
     fig, axes = plt.subplots(1, k, figsize=((0.45 * H + 1.8) * k, 0.4 * L + 1.6), squeeze=False)
     for ax, (task, m) in zip(axes[0], values.items()):
-        im = ax.imshow(m, cmap="viridis", vmin=min(0.0, float(m.min())), vmax=1.0, aspect="auto")
-        for l in range(L):
-            for h in range(H):
-                ax.text(h, l, f"{m[l, h]:.2f}", ha="center", va="center", fontsize=5,
-                        color="k" if m[l, h] > 0.6 else "w")
-        ax.set_xticks(range(H), [str(h + 1) for h in range(H)], fontsize=7)
-        ax.set_yticks(range(L), [str(l + 1) for l in range(L)], fontsize=7)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_title(f"{task}: cos(pre-trained, fine-tuned)", fontsize=8)
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        plots.layer_head_axes(ax, m, vmin=min(0.0, float(m.min())), vmax=1.0, annotate="{:.2f}",
+                              title=f"{task}: cos(pre-trained, fine-tuned)")
     fig.tight_layout()
     return fig
 
