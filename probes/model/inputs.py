@@ -63,8 +63,8 @@ def _encode_word_by_word(tokenizer, words: list[str]) -> tuple[list[int], list[i
 
 def _specials(tokenizer) -> tuple[int, int]:
     """(first, last) special token ids of a single sequence, as the tokenizer itself adds them."""
-    ids = tokenizer.build_inputs_with_special_tokens([])
-    if len(ids) >= 2:
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    if len(ids) >= len(tokenizer("a", add_special_tokens=False)["input_ids"]) + 2:
         return ids[0], ids[-1]
     first = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
     last = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
