@@ -1,3 +1,4 @@
+import copy
 import functools
 import json
 import os
@@ -8,38 +9,97 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from omegaconf import OmegaConf
 
-from probes.model.load import tiny_bert
+from probes.extract import precision as P
 from probes.extract.cache import AttentionCache
-from probes.extract.stage import AttentionExtractor, extract, length_batches
-from probes.model.inputs import encode_words, pool_attention, pooling_matrix
-from tests.conftest import ROOT, WORDS, chain_overrides
+from probes.extract.run import ensure_cache, ensure_caches
+from probes.extract.stage import AttentionExtractor, extract, make_batch, timing_batches
+from probes.model.inputs import encode_words, length_batches, pool_attention, pooling_matrix
+from probes.model.load import Encoder, tiny_bert
+from tests.conftest import ROOT, WORDS, chain_overrides, compose_train
 
 SENTS = [[WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 9)] for i in range(40)] + [["Unbelievably", "long"]]
 TRAINER = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision="32-true", logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
-def reference_maps(enc, words):
-    """Word-level maps from a plain full forward with output_attentions (no hooks, no batching)."""
-    (e,) = encode_words(enc.tokenizer, [words])
-    out = enc.model(input_ids=torch.tensor([e.input_ids]), output_attentions=True)
+def eager_twin(enc: Encoder) -> torch.nn.Module:
+    """A separate plain transformers model (eager attention, not the project's path) with the same weights."""
+    from transformers import AutoModel
+
+    cfg = copy.deepcopy(enc.config)
+    cfg._attn_implementation = "eager"
+    model = AutoModel.from_config(cfg, attn_implementation="eager")
+    model.load_state_dict(enc.model.state_dict())
+    return model.eval()
+
+
+def reference_maps(ref: torch.nn.Module, tokenizer, words) -> np.ndarray:
+    """(L, H, W, W) word-level maps from a plain eager fp32 forward with output_attentions (one sentence)."""
+    (e,) = encode_words(tokenizer, [words])
+    with torch.no_grad():
+        out = ref(input_ids=torch.tensor([e.input_ids]), output_attentions=True)
     attn = torch.stack(out.attentions, 1)[0]  # (L, H, T, T)
     L, H, T, _ = attn.shape
-    frm = pooling_matrix(e.word_of_piece, e.n_words, "mean")[None]
+    frm = pooling_matrix(e.word_of_piece, e.n_words, "mean")[None]  # (1, W, T)
     to = pooling_matrix(e.word_of_piece, e.n_words, "sum")[None]
     return pool_attention(attn.reshape(1, L * H, T, T), frm, to)[0].reshape(L, H, e.n_words + 2, -1).numpy()
 
 
+def word_maps_fp32(enc: Encoder, sentences) -> list[np.ndarray]:
+    """The extractor's float32 word maps of ``sentences`` in one padded batch (no float16 storage)."""
+    encoded = encode_words(enc.tokenizer, sentences)
+    batch = make_batch(encoded, list(range(len(encoded))), "mean", "sum", enc.tokenizer.pad_token_id)
+    with torch.inference_mode():
+        maps = AttentionExtractor(enc.model, enc.num_layers).word_maps(batch, torch.float32)  # (B, L, H, W, W)
+    return [maps[k, :, :, :e.n_words + 2, :e.n_words + 2].numpy() for k, e in enumerate(encoded)]
+
+
+def tiny_deberta_v2() -> Encoder:
+    """Tiny random DeBERTa-v2 (relative c2p/p2c attention) with the packaged BERT vocabulary."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    tok = tiny_bert().tokenizer
+    cfg = DebertaV2Config(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=128, relative_attention=True,
+                          pos_att_type=["p2c", "c2p"], position_buckets=16, max_relative_positions=32)
+    torch.manual_seed(0)
+    return Encoder(DebertaV2Model(cfg), tok, "tiny-deberta-v2", "random-0")
+
+
+@pytest.mark.parametrize("make", [functools.partial(tiny_bert, max_position_embeddings=128), tiny_deberta_v2],
+                         ids=["bert", "deberta-v2"])
+def test_word_maps_equal_eager_fp32_forward(make):
+    """Padded batch through the model layer == one sentence at a time through an eager twin, within 1e-4."""
+    enc = make()
+    ref = eager_twin(enc)
+    sents = SENTS[:12] + SENTS[-1:]
+    for words, got in zip(sents, word_maps_fp32(enc, sents)):
+        np.testing.assert_allclose(got, reference_maps(ref, enc.tokenizer, words), atol=1e-4, rtol=0)
+
+
+def test_attentions_stop_early_and_equal_full_forward():
+    enc = tiny_bert()
+    ids = torch.tensor([encode_words(enc.tokenizer, [SENTS[3]])[0].input_ids])
+    with torch.no_grad():
+        got = AttentionExtractor(enc.model, enc.num_layers).attentions(ids, torch.ones_like(ids))  # (1, L, H, T, T)
+        full = eager_twin(enc)(input_ids=ids, output_attentions=True).attentions
+    assert got.shape == (1, enc.num_layers, enc.num_heads, ids.shape[1], ids.shape[1])
+    torch.testing.assert_close(got[0], torch.stack(full, 0)[:, 0], atol=1e-6, rtol=0)
+
+
 def test_extract_matches_plain_forward_and_reuses_cache(tmp_path):
     enc = tiny_bert(max_position_embeddings=128)
+    ref = eager_twin(enc)
     key = dict(encoder=enc.name, dataset="synthetic", split="dev")
     cache = extract(enc, SENTS, key, tmp_path, TRAINER, max_tokens=64)
     assert len(cache) == len(SENTS) and cache.skipped == []
     for i in (0, 5, len(SENTS) - 1):
         m = cache[i]
         assert m.shape == (2, 4, len(SENTS[i]) + 2, len(SENTS[i]) + 2) and m.dtype == np.float16
-        np.testing.assert_allclose(m.astype(np.float32), reference_maps(enc, SENTS[i]), atol=2e-3)
+        # float16 storage: relative rounding 2^-11 of values <= (pieces per word)
+        np.testing.assert_allclose(m.astype(np.float32), reference_maps(ref, enc.tokenizer, SENTS[i]), atol=2e-3)
     mtime = (cache.path / "manifest.json").stat().st_mtime_ns
     again = extract(enc, SENTS, key, tmp_path, TRAINER, max_tokens=64)  # hit: nothing rewritten
     assert (again.path / "manifest.json").stat().st_mtime_ns == mtime
@@ -79,23 +139,104 @@ def test_interrupted_extraction_leaves_nothing_complete_and_rerun_matches(tmp_pa
         np.testing.assert_array_equal(resumed[i], clean[i])
 
 
-def test_early_stop_hooks_equal_full_forward():
-    enc = tiny_bert()
-    ex = AttentionExtractor(enc.model)
-    ids = torch.tensor([encode_words(enc.tokenizer, [SENTS[3]])[0].input_ids])
-    hooked = ex._attentions(ids, torch.ones_like(ids))
-    full = enc.model(input_ids=ids, output_attentions=True).attentions
-    assert len(hooked) == enc.num_layers
-    for a, b in zip(hooked, full):
-        torch.testing.assert_close(a, b)
-
-
 def test_length_batches_respect_budget():
     lengths = [5, 50, 7, 20, 20, 3, 49]
     batches = length_batches(lengths, max_tokens=100, max_batch_size=3)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert len(b) <= 3 and len(b) * max(lengths[i] for i in b) <= 100 or len(b) == 1
+
+
+# ----------------------------------------------------------------------------- precision=auto
+def test_auto_precision_is_the_argmin_remembered_per_shape(tmp_path):
+    store = tmp_path / "precision.json"
+    calls = []
+
+    def fake(seconds):
+        def time_fn(p):
+            calls.append(p)
+            return seconds[p]
+        return time_fn
+
+    key = dict(cpu="Test CPU", torch="2.x", device="cpu", model_type="bert", layers=6, heads=12, hidden=384,
+               intermediate=1536, threads=2)
+    cands = ["32-true", "bf16-mixed"]
+    assert P.choose(key, cands, fake({"32-true": 2e-4, "bf16-mixed": 3e-4}), store) == "32-true"
+    assert sorted(calls) == sorted(cands)
+    first = store.read_text()
+    # remembered: no timing, same answer even if the machine would now time differently
+    calls.clear()
+    assert P.choose(key, cands, fake({"32-true": 9.0, "bf16-mixed": 1e-9}), store) == "32-true" and calls == []
+    assert store.read_text() == first
+    # another model shape is measured on its own; the first decision stays
+    other = dict(key, layers=12, hidden=768, intermediate=3072)
+    assert P.choose(other, cands, fake({"32-true": 5e-4, "bf16-mixed": 1e-4}), store) == "bf16-mixed"
+    assert sorted(calls) == sorted(cands)
+    data = json.loads(store.read_text())
+    assert {v["precision"] for v in data.values()} == {"32-true", "bf16-mixed"} and len(data) == 2
+    # what is stored is the decision only (no timings): rewriting the same decision gives the same bytes
+    assert all(set(v) == {"precision", "candidates", "key"} for v in data.values())
+    # a different candidate set (e.g. a CPU that gained bf16) re-measures
+    calls.clear()
+    assert P.choose(key, ["32-true", "bf16-mixed", "16-mixed"],
+                    fake({"32-true": 3.0, "bf16-mixed": 2.0, "16-mixed": 1.0}), store) == "16-mixed"
+    assert len(calls) == 3
+    # a single candidate needs no timing
+    assert P.choose(key, ["32-true"], fake({}), store) == "32-true"
+
+
+def test_resolve_precision_measures_once_and_keys_on_shape(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "candidates", lambda device: ["32-true", "bf16-mixed"])
+    timed = []
+
+    def timer(encoder, encoded, device):
+        timed.append(encoder.config.num_hidden_layers)
+        return lambda p: {"32-true": 1.0, "bf16-mixed": 2.0}[p] * encoder.config.num_hidden_layers
+
+    monkeypatch.setattr("probes.extract.stage.precision_timer", timer)
+    a, b = tiny_bert(), tiny_bert(num_hidden_layers=3)
+    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, lookup_only=True) is None
+    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path) == "32-true"
+    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, lookup_only=True) == "32-true"
+    assert P.resolve_precision("auto", "cpu", b, SENTS, tmp_path) == "32-true"
+    assert timed == [2, 3]  # once per shape
+    assert P.resolve_precision("bf16-mixed", "cpu", a) == "bf16-mixed"  # explicit: as given, nothing timed
+    assert timed == [2, 3] and a._model is None  # deciding (fake timer) loaded no weights
+
+
+def test_precision_timer_times_real_batches():
+    from probes.extract.stage import precision_timer
+
+    enc = tiny_bert()
+    encoded = encode_words(enc.tokenizer, SENTS)
+    batches = timing_batches(encoded, enc.max_length, tokens=64, n=4)
+    mid = sorted(e.n_pieces for e in encoded)[len(encoded) // 2]
+    assert len(batches) == 4 and all(len(b) == 64 // mid for b in batches)  # same-size batches around the median
+    f = precision_timer(enc, encoded, "cpu", tokens=64)
+    assert f("32-true") > 0 and f("bf16-mixed") > 0
+    assert precision_timer(enc, [], "cpu") is None
+
+
+# ----------------------------------------------------------------------------- stage entry points
+def test_ensure_caches_in_a_child_process_equal_in_process(chain_data, tmp_path):
+    cfg = compose_train(chain_overrides(chain_data, tmp_path))
+    from hydra.utils import instantiate
+
+    treebank = instantiate(cfg.data.treebank)
+    got = ensure_caches(cfg.encoder, treebank, ["dev", "test"], cfg.extract, str(tmp_path / "c1"),
+                        {"dev": 12}, child=True)
+    assert set(got) == {"dev", "test"} and len(got["dev"]) == 12 and len(got["test"]) == 30
+    enc = instantiate(cfg.encoder)
+    for split, cache in got.items():
+        mine, _ = ensure_cache(enc, treebank, split, cfg.extract, str(tmp_path / "c2"), 12 if split == "dev" else None)
+        assert cache.path.name == mine.path.name
+        for i in range(len(cache)):
+            np.testing.assert_array_equal(cache[i], mine[i])
+    again = ensure_caches(cfg.encoder, treebank, ["dev"], cfg.extract, str(tmp_path / "c1"), {"dev": 12})
+    assert again["dev"].path == got["dev"].path  # hit: no child needed
+    with pytest.raises(RuntimeError, match="child process failed"):
+        bad = dict(OmegaConf.to_container(cfg.extract, resolve=True), precision="no-such-precision")
+        ensure_caches(cfg.encoder, treebank, ["dev"], bad, str(tmp_path / "c3"))  # fails in the child
 
 
 def _extract_cli(chain_data, tmp_path, cache, devices):
@@ -125,7 +266,19 @@ def test_two_process_ddp_extraction_equals_single_process(chain_data, tmp_path):
 
 def test_random_encoder_name_covers_its_shape():
     """The encoder name is part of the cache key: any architecture change must change it."""
-    from probes.model.load import tiny_bert
-
     a, b = tiny_bert(intermediate_size=64), tiny_bert(intermediate_size=48)
     assert a.name != b.name and a.name == tiny_bert(intermediate_size=64).name
+
+
+def test_batched_pooling_matrices_equal_pooling_matrix():
+    from probes.extract.stage import pooling_matrices
+
+    enc = tiny_bert()
+    items = encode_words(enc.tokenizer, SENTS + [["Unbelievably", "éléphant", "antidisestablishmentarianism"]])
+    T = max(e.n_pieces for e in items) + 3  # extra padding
+    for mode in ("mean", "sum", "first"):
+        m = pooling_matrices(items, mode, T)  # (B, W, T)
+        for k, e in enumerate(items):
+            ref = torch.zeros(m.shape[1], T)
+            ref[:e.n_words + 2, :e.n_pieces] = pooling_matrix(e.word_of_piece, e.n_words, mode)
+            assert torch.equal(m[k], ref), (mode, k)

@@ -1,9 +1,16 @@
-"""Extraction stage on Lightning's predict loop: batches by length, shards under DDP, atomic cache."""
+"""Extraction stage on Lightning's predict loop: batches by length, shards under DDP, atomic cache.
+
+Attention comes from the model layer (:func:`probes.model.hooks.attention`, stopped after the last
+layer); inputs, length batches and word pooling from :mod:`probes.model.inputs`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
+import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -12,38 +19,46 @@ import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, Dataset
 
-from probes.model.load import Encoder
 from probes.extract import cache as C
-from probes.model.inputs import Encoded, encode_words, pool_attention, pooling_matrix
+from probes.extract.precision import resolve_precision  # noqa: F401  (re-exported: the stage's precision)
+from probes.model import hooks
+from probes.model.inputs import Encoded, encode_words, length_batches, pad_encoded, pooling_matrix
+from probes.model.load import Encoder
 
 log = logging.getLogger(__name__)
 
 
-def length_batches(lengths: list[int], max_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Group indices sorted by length so that batch_size * longest <= max_tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur = [], []
-    for i in order:
-        if cur and ((len(cur) + 1) * lengths[i] > max_tokens or len(cur) >= max_batch_size):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    return batches + [cur] if cur else batches
+def pooling_matrices(items: list[Encoded], mode: str, T: int) -> torch.Tensor:
+    """(B, W, T) word pooling matrices of a padded batch, W = most words + 2 (zero rows/columns pad);
+    item k's block equals ``pooling_matrix(word_of_piece, n_words, mode)`` (built in one scatter)."""
+    B, W = len(items), max(e.n_words for e in items) + 2
+    out = torch.zeros(B, W, T)  # (B, W, T)
+    if mode not in ("mean", "sum"):
+        for k, e in enumerate(items):
+            out[k, :e.n_words + 2, :e.n_pieces] = pooling_matrix(e.word_of_piece, e.n_words, mode)
+        return out
+    b = torch.tensor([k for k, e in enumerate(items) for _ in range(e.n_pieces)])  # (N,) item of each piece
+    t = torch.tensor([j for e in items for j in range(e.n_pieces)])  # (N,) its position
+    w = torch.tensor([x + 1 for e in items for x in e.word_of_piece])  # (N,) its row: first special -> 0
+    out[b, w, t] = 1.0
+    if mode == "mean":
+        out /= out.sum(-1, keepdim=True).clamp(min=1.0)
+    return out
 
 
-def pad_pieces(items: list[Encoded], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded wordpiece ids and attention mask, (B, T) each, T = the longest of `items`."""
-    B, T = len(items), max(e.n_pieces for e in items)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    for k, e in enumerate(items):
-        input_ids[k, :e.n_pieces] = torch.tensor(e.input_ids)
-        mask[k, :e.n_pieces] = 1
-    return input_ids, mask
+def make_batch(items: list[Encoded], indices: list[int], from_pool: str, to_pool: str, pad_id: int
+               ) -> dict[str, torch.Tensor]:
+    """One padded batch: input_ids, attention_mask (B, T); from_mat, to_mat (B, W, T); index, n_words (B,)."""
+    batch = pad_encoded(items, pad_id)  # input_ids, attention_mask: (B, T) each
+    T = batch["input_ids"].shape[1]
+    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                from_mat=pooling_matrices(items, from_pool, T), to_mat=pooling_matrices(items, to_pool, T),
+                index=torch.tensor(indices), n_words=torch.tensor([e.n_words for e in items]))
 
 
 class SentenceBatches(Dataset):
-    """Each item is one padded batch of sentences (DataLoader with batch_size=None)."""
+    """Each item is one padded batch of sentences (DataLoader with batch_size=None); pooling matrices are
+    built here, i.e. in the loader's workers when num_workers > 0."""
 
     def __init__(self, encoded: list[Encoded], indices: list[int], batches: list[list[int]],
                  from_pool: str, to_pool: str, pad_id: int):
@@ -54,74 +69,59 @@ class SentenceBatches(Dataset):
         return len(self.batches)
 
     def __getitem__(self, b: int) -> dict[str, torch.Tensor]:
-        items = [self.encoded[i] for i in self.batches[b]]
-        input_ids, mask = pad_pieces(items, self.pad_id)  # (B, T) each
-        (B, T), W = input_ids.shape, max(e.n_words for e in items) + 2
-        from_mat = torch.zeros(B, W, T)  # (B, W, T)
-        to_mat = torch.zeros(B, W, T)  # (B, W, T)
-        for k, e in enumerate(items):
-            t, w = e.n_pieces, e.n_words + 2
-            from_mat[k, :w, :t] = pooling_matrix(e.word_of_piece, e.n_words, self.from_pool)
-            to_mat[k, :w, :t] = pooling_matrix(e.word_of_piece, e.n_words, self.to_pool)
-        index = torch.tensor([self.indices[i] for i in self.batches[b]])  # (B,) sentence index
-        n_words = torch.tensor([e.n_words for e in items])  # (B,)
-        return dict(input_ids=input_ids, attention_mask=mask, from_mat=from_mat, to_mat=to_mat,
-                    index=index, n_words=n_words)
+        return make_batch([self.encoded[i] for i in self.batches[b]], [self.indices[i] for i in self.batches[b]],
+                          self.from_pool, self.to_pool, self.pad_id)
 
 
-class _StopForward(Exception):
-    pass
+def pool_layers(probs: list[torch.Tensor], from_mat: torch.Tensor, to_mat: torch.Tensor,
+                dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Word-level maps, pooled one layer at a time in float32 (no float32 copy of all layers' piece maps).
 
-
-def self_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module] | None:
-    """The per-layer self-attention modules of a BERT-family encoder (`encoder.layer[i].attention.self`)."""
-    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
-    layers = getattr(getattr(base, "encoder", None), "layer", None)
-    if layers is None or not all(hasattr(getattr(l, "attention", None), "self") for l in layers):
-        return None
-    return [l.attention.self for l in layers]
+    probs: L x (B, H, T, T) in any float dtype; from_mat, to_mat: (B, W, T). Returns (B, L, H, W, W) in ``dtype``.
+    """
+    B, H, T, _ = probs[0].shape
+    W = from_mat.shape[1]
+    out = torch.empty(B, len(probs), H, W, W, dtype=dtype, device=from_mat.device)  # (B, L, H, W, W)
+    frm, to_t = from_mat.unsqueeze(1), to_mat.transpose(1, 2)  # (B, 1, W, T), (B, T, W)
+    for l, a in enumerate(probs):
+        # columns first as one (H*T, T) @ (T, W) product per sentence: fewer, larger matmuls
+        cols = torch.bmm(a.float().reshape(B, H * T, T), to_t).view(B, H, T, W)  # (B, H, T, W)
+        out[:, l] = frm @ cols  # (B, H, W, W)
+    return out
 
 
 class AttentionExtractor(pl.LightningModule):
     """Runs the frozen encoder and pools its attention to words; predict only.
 
-    Attention probabilities are read by forward hooks on each layer's self-attention; the forward
-    stops right after the last one, so the last layer's output projection and feed-forward block
-    (which no attention map depends on) are never computed.
+    Probabilities come from the model layer's attention session, which ends the forward right after
+    the last layer's attention (the last layer's output projection and feed-forward block, which no
+    map depends on, are never computed).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, num_layers: int | None = None):
         super().__init__()
         self.model = model
-        self.attn_modules = self_attention_modules(model)
+        self.layers = list(range(num_layers if num_layers is not None else int(model.config.num_hidden_layers)))
 
-    def _attentions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
-        if self.attn_modules is None:  # unknown layout: full forward
-            return list(self.model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True).attentions)
-        maps: list[torch.Tensor] = []
+    def attention_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+        """L x (B, H, T, T) probabilities of every layer (compute dtype)."""
+        with hooks.attention(self.model, layers=self.layers, stop=True) as s:
+            s.run(input_ids=input_ids, attention_mask=attention_mask)
+            return [s.probs[l] for l in self.layers]
 
-        def hook(module, args, output):
-            maps.append(output[1])  # (B, H, T, T)
-            if module is self.attn_modules[-1]:
-                raise _StopForward
+    def attentions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, L, H, T, T) piece-level maps."""
+        return torch.stack(self.attention_probs(input_ids, attention_mask), dim=1)
 
-        handles = [m.register_forward_hook(hook) for m in self.attn_modules]
-        try:
-            self.model(input_ids=input_ids, attention_mask=attention_mask)
-        except _StopForward:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
-        return maps
+    def word_maps(self, batch: dict[str, torch.Tensor], dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """(B, L, H, W, W) word-level maps of a :func:`make_batch` batch (pooled in float32)."""
+        probs = self.attention_probs(batch["input_ids"], batch["attention_mask"])
+        with torch.autocast(probs[0].device.type, enabled=False):
+            return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype)
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
-        attn = torch.stack(self._attentions(batch["input_ids"], batch["attention_mask"]), dim=1)  # (B, L, H, T, T)
-        B, L, H, T, _ = attn.shape
-        with torch.autocast(self.device.type, enabled=False):
-            words = pool_attention(attn.reshape(B, L * H, T, T).float(), batch["from_mat"], batch["to_mat"])
-        return dict(maps=words.reshape(B, L, H, *words.shape[-2:]).half().cpu(),  # (B, L, H, W, W)
-                    index=batch["index"].cpu(), n_words=batch["n_words"].cpu())
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int = 0) -> dict[str, torch.Tensor]:
+        maps = self.word_maps(batch)  # (B, L, H, W, W) float16
+        return dict(maps=maps.cpu(), index=batch["index"].cpu(), n_words=batch["n_words"].cpu())
 
 
 class CacheWriter(BasePredictionWriter):
@@ -144,7 +144,7 @@ class CacheWriter(BasePredictionWriter):
         self.shard = C.ShardWriter(self.partial_dir, trainer.global_rank)
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
-        maps = prediction["maps"].numpy()
+        maps = prediction["maps"].numpy()  # (B, L, H, W, W) float16
         for k, (i, n) in enumerate(zip(prediction["index"].tolist(), prediction["n_words"].tolist())):
             self.shard.write(i, maps[k, :, :, : n + 2, : n + 2])
 
@@ -156,14 +156,87 @@ class CacheWriter(BasePredictionWriter):
         trainer.strategy.barrier()
 
 
-def resolve_precision(precision: str, accelerator: str) -> str:
-    """`auto`: fp16 autocast on a GPU, bf16 autocast on a CPU with native bf16, else full fp32."""
-    if precision != "auto":
-        return precision
-    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
-        return "16-mixed"
-    return "bf16-mixed" if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and \
-        torch.cpu._is_avx512_bf16_supported() else "32-true"
+def autocast(precision: str, device: str):
+    """The autocast context Lightning's precision plugin puts around ``predict_step``."""
+    if precision in ("bf16-mixed", "16-mixed"):
+        return torch.autocast(device, dtype=torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    if precision in ("32-true", "32", 32):
+        return contextlib.nullcontext()
+    raise ValueError(f"cannot time precision {precision!r}")
+
+
+def timing_batches(encoded: list[Encoded], max_length: int, tokens: int = 2048, n: int = 4) -> list[list[Encoded]]:
+    """``n`` batches of about ``tokens`` pieces each from the sentences around the median length."""
+    items = sorted((e for e in encoded if e.n_pieces <= max_length), key=lambda e: e.n_pieces)
+    if not items:
+        return []
+    mid = items[len(items) // 2].n_pieces
+    per = max(1, tokens // mid)
+    start = max(0, len(items) // 2 - per * n // 2)
+    pool = items[start:start + per * n]
+    pool = (pool * (per * n // len(pool) + 1))[:per * n]  # repeat when there are few sentences
+    return [pool[k * per:(k + 1) * per] for k in range(n)]
+
+
+def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, tokens: int = 2048, repeats: int = 3,
+                    warmup: int = 1, from_words: str = "mean", to_words: str = "sum"
+                    ) -> Callable[[str], float] | None:
+    """``f(precision) -> seconds per token`` of :meth:`AttentionExtractor.predict_step` under that precision's
+    autocast, the median of ``repeats`` batches of ~``tokens`` pieces after ``warmup`` untimed ones
+    (the same batches for every precision). None when there are no sentences to time."""
+    batches = timing_batches(encoded, encoder.max_length, tokens, warmup + repeats)
+    if not batches:
+        return None
+    pad_id = encoder.tokenizer.pad_token_id
+    inputs = [{k: v.to(device) for k, v in make_batch(b, list(range(len(b))), from_words, to_words,
+                                                      0 if pad_id is None else pad_id).items()} for b in batches]
+    ex = AttentionExtractor(encoder.model.to(device), encoder.num_layers)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def time_fn(precision: str) -> float:
+        per_token = []
+        with torch.inference_mode(), autocast(precision, device):
+            for j, batch in enumerate(inputs):
+                sync()
+                t0 = time.perf_counter()
+                ex.predict_step(batch)
+                sync()
+                if j >= warmup:
+                    per_token.append((time.perf_counter() - t0) / int(batch["attention_mask"].sum()))
+        return statistics.median(per_token)
+
+    return time_fn
+
+
+def split_by_pairs(batches: list[list[int]], lengths: list[int], max_pairs: int | None) -> list[list[int]]:
+    """Split length batches so that none holds more than ``max_pairs`` attention pairs (B * T^2): bounds the
+    retained (B, H, T, T) maps of long sentences (memory) and keeps them cache-sized (speed)."""
+    if not max_pairs:
+        return batches
+    out = []
+    for b in batches:
+        T = max(lengths[i] for i in b)
+        n = -(-len(b) * T * T // max_pairs)  # ceil: number of parts
+        size = -(-len(b) // n)
+        out += [b[k:k + size] for k in range(0, len(b), size)]
+    return out
+
+
+def encode_all(tokenizer, sentences: list[list[str]], chunk: int = 1024) -> list[Encoded]:
+    """:func:`encode_words` in chunks (the tokenizer's batch output for a whole treebank is large)."""
+    return [e for k in range(0, len(sentences), chunk) for e in encode_words(tokenizer, sentences[k:k + chunk])]
+
+
+def select(encoded: list[Encoded], max_length: int, long_sentences: str) -> tuple[list[int], list[int]]:
+    """(kept indices, too-long indices) under the long-sentence policy (skip | error)."""
+    if long_sentences not in ("skip", "error"):
+        raise ValueError(f"extract.long_sentences must be 'skip' or 'error', got '{long_sentences}'")
+    too_long = [i for i, e in enumerate(encoded) if e.n_pieces > max_length]
+    if too_long and long_sentences == "error":
+        raise ValueError(f"{len(too_long)} sentences exceed {max_length} wordpieces (first: #{too_long[0]}); "
+                         "set extract.long_sentences=skip to leave them out")
+    skipped = set(too_long)
+    return [i for i in range(len(encoded)) if i not in skipped], too_long
 
 
 def extract(
@@ -178,36 +251,36 @@ def extract(
     long_sentences: str = "skip",
     max_tokens: int = 4096,
     max_batch_size: int = 128,
+    max_pairs: int | None = 65536,
     num_workers: int = 0,
+    encoded: list[Encoded] | None = None,
 ) -> C.AttentionCache:
-    """Write (or reuse) the cache entry for `key`; `trainer` is a partial Trainer constructor."""
+    """Write (or reuse) the cache entry for `key`; `trainer` is a partial Trainer constructor.
+
+    ``encoded``: the sentences already through :func:`encode_words` (saves tokenizing twice)."""
     final_dir = C.entry_dir(cache_dir, key)
     if (final_dir / "manifest.json").exists():
         log.info("attention cache hit: %s", final_dir)
         return C.AttentionCache(final_dir)
     max_length = max_length or encoder.max_length
-    encoded = encode_words(encoder.tokenizer, sentences)
-    too_long = [i for i, e in enumerate(encoded) if e.n_pieces > max_length]
-    if too_long and long_sentences == "error":
-        raise ValueError(f"{len(too_long)} sentences exceed {max_length} wordpieces (first: #{too_long[0]}); "
-                         "set extract.long_sentences=skip to leave them out")
-    if long_sentences not in ("skip", "error"):
-        raise ValueError(f"extract.long_sentences must be 'skip' or 'error', got '{long_sentences}'")
+    encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
+    keep, too_long = select(encoded, max_length, long_sentences)
     if too_long:
         log.warning("%d of %d sentences exceed %d wordpieces and are left out of the cache (policy: skip)",
                     len(too_long), len(sentences), max_length)
-    skipped = set(too_long)
-    keep = [i for i in range(len(encoded)) if i not in skipped]
     kept = [encoded[i] for i in keep]
-    batches = length_batches([e.n_pieces for e in kept], max_tokens, max_batch_size)
-    data = SentenceBatches(kept, keep, batches, from_words, to_words, encoder.tokenizer.pad_token_id)
+    lengths = [e.n_pieces for e in kept]
+    batches = split_by_pairs(length_batches(lengths, max_tokens, max_batch_size), lengths, max_pairs)
+    pad_id = encoder.tokenizer.pad_token_id
+    data = SentenceBatches(kept, keep, batches, from_words, to_words, 0 if pad_id is None else pad_id)
     manifest = dict(format_version=C.FORMAT_VERSION, key=key, n_sentences=len(sentences), skipped=too_long,
                     num_layers=encoder.num_layers, num_heads=encoder.num_heads,
                     n_pieces=int(sum(e.n_pieces for e in kept)), dtype="float16",
                     layout="(L, H, W, W), W = words + 2: [CLS], words, [SEP]; rows attend to columns")
     writer = CacheWriter(final_dir, manifest)
     t = trainer(callbacks=[writer])
-    loader = DataLoader(data, batch_size=None, num_workers=num_workers)
+    loader = DataLoader(data, batch_size=None, num_workers=num_workers,
+                        persistent_workers=False, pin_memory=False)
     log.info("extracting attention: %d sentences, %d batches -> %s", len(kept), len(batches), final_dir)
-    t.predict(AttentionExtractor(encoder.model), loader, return_predictions=False)
+    t.predict(AttentionExtractor(encoder.model, encoder.num_layers), loader, return_predictions=False)
     return C.AttentionCache(final_dir)

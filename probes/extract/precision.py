@@ -1,0 +1,182 @@
+"""`extract.precision=auto`: the fastest precision on this machine for this model shape, measured once.
+
+On first use for a key (CPU model / GPU name, torch version, threads, device, model shape) a few real
+batches are timed at each candidate precision (CPU: ``32-true``, plus ``bf16-mixed`` where the CPU has
+native bf16; GPU: ``16-mixed``, ``bf16-mixed`` where supported, ``32-true``); the fastest is remembered in
+``<cache_dir>/precision.json`` (read-measure-write under a file lock, atomic rename) and reused after.
+Only the decisions are stored (timings go to the log), so the file holds nothing run-dependent but them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import platform
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from probes.io import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+STORE = "precision.json"
+_SAID: set[str] = set()  # devices whose single-candidate decision was logged
+
+
+def device_of(accelerator: str | None) -> str:
+    """``cuda`` or ``cpu``: where a Trainer with this accelerator runs the model."""
+    acc = str(accelerator or "auto").lower()
+    if acc in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slower than fp32."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        with contextlib.suppress(Exception):
+            if fn is not None and fn():
+                return True
+    return False
+
+
+def candidates(device: str) -> list[str]:
+    """Precisions worth trying on ``device``, most likely fastest first (ties go to the earlier)."""
+    if device == "cuda":
+        return ["16-mixed", *(["bf16-mixed"] if torch.cuda.is_bf16_supported() else []), "32-true"]
+    return ["32-true", *(["bf16-mixed"] if cpu_has_bf16() else [])]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu / /proc/cpuinfo), else platform.processor()."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def shape_of(config) -> dict:
+    """What of the model's architecture sets its cost: family, layers, heads, hidden and feed-forward sizes."""
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None)
+    return dict(model_type=str(getattr(config, "model_type", "")), layers=int(config.num_hidden_layers),
+                heads=int(config.num_attention_heads), hidden=int(config.hidden_size),
+                intermediate=None if inter is None else int(inter))
+
+
+def precision_key(config, device: str) -> dict:
+    """The key a remembered decision is valid for."""
+    key = dict(cpu=cpu_name(), torch=torch.__version__, device=device, **shape_of(config))
+    if device == "cuda":
+        key["gpu"] = torch.cuda.get_device_name(torch.cuda.current_device())
+    else:
+        key["threads"] = torch.get_num_threads()
+    return key
+
+
+def key_string(key: dict) -> str:
+    return ";".join(f"{k}={key[k]}" for k in sorted(key))
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Exclusive lock on ``<path>.lock`` (fcntl; a no-op where there is none)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent writers may both measure; the rename keeps the file whole
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def read_store(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable %s (%s); it will be rewritten", path, e)
+        return {}
+
+
+def remembered(path: Path, key: dict, cands: Sequence[str]) -> str | None:
+    """The stored decision for ``key`` if it was made among the same candidates."""
+    rec = read_store(path).get(key_string(key))
+    if isinstance(rec, dict) and rec.get("candidates") == list(cands) and rec.get("precision") in cands:
+        return rec["precision"]
+    return None
+
+
+def choose(key: dict, cands: Sequence[str], time_fn: Callable[[str], float], path: str | Path | None) -> str:
+    """The remembered decision for ``key``, else the argmin of ``time_fn(candidate)`` (seconds per token),
+    stored under ``path`` (None: not stored). Ties go to the earlier candidate."""
+    cands = list(cands)
+    if len(cands) == 1:
+        return cands[0]
+    path = None if path is None else Path(path)
+    with (locked(path) if path is not None else contextlib.nullcontext()):
+        if path is not None and (hit := remembered(path, key, cands)) is not None:
+            return hit
+        timings = {c: float(time_fn(c)) for c in cands}
+        best = min(cands, key=lambda c: timings[c])
+        log.info("extract.precision=auto -> %s (measured on %s: %s)", best, key_string(key),
+                 ", ".join(f"{c} {1 / t:,.0f} tokens/s" if t > 0 else f"{c} ?" for c, t in timings.items()))
+        if path is not None:
+            store = read_store(path)
+            store[key_string(key)] = dict(precision=best, candidates=cands, key=key)
+            atomic_write_text(path, json.dumps(store, indent=1, sort_keys=True) + "\n")
+    return best
+
+
+def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, sentences=None,
+                      cache_dir: str | Path | None = None, encoded=None, lookup_only: bool = False) -> str | None:
+    """The Lightning precision to extract with; ``auto`` measured (see module doc).
+
+    ``encoder`` (an :class:`~probes.model.load.Encoder`) and ``sentences`` (word lists) or ``encoded``
+    give the batches to time; ``cache_dir`` holds the remembered decisions. ``lookup_only``: return None
+    instead of measuring (nothing is loaded). Without an encoder, ``auto`` is the first candidate
+    (``32-true`` on a CPU, ``16-mixed`` on a GPU), unmeasured.
+    """
+    if precision != "auto":
+        return str(precision)
+    device = device_of(accelerator)
+    cands = candidates(device)
+    if len(cands) == 1:
+        if device not in _SAID:
+            _SAID.add(device)
+            log.info("extract.precision=auto -> %s, the only candidate on this %s (%s; no native bf16)",
+                     cands[0], device, cpu_name())
+        return cands[0]
+    if encoder is None:
+        log.warning("extract.precision=auto without an encoder to measure: using %s", cands[0])
+        return cands[0]
+    key = precision_key(encoder.config, device)
+    path = None if cache_dir is None else Path(cache_dir) / STORE
+    if path is not None:
+        hit = remembered(path, key, cands)
+        if hit is not None or lookup_only:
+            return hit
+    elif lookup_only:
+        return None
+    from probes.extract.stage import precision_timer
+
+    if encoded is None:  # a spread-out sample is enough to find batches around the median length
+        from probes.extract.stage import encode_all
+
+        sentences = list(sentences or [])
+        encoded = encode_all(encoder.tokenizer, [list(s) for s in sentences[::max(1, len(sentences) // 2000)]])
+    timer = precision_timer(encoder, encoded, device)
+    if timer is None:  # nothing to time
+        return cands[0]
+    return choose(key, cands, timer, path)
