@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from probes.data.conllu import Sentence
 from probes.data.glove import vector_rows
 from probes.extract.cache import AttentionCache
-from probes.extract.run import ensure_cache
+from probes.extract.run import ensure_caches
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,10 @@ class DependencyDataModule(pl.LightningDataModule):
 
     def __init__(self, name: str, treebank: DictConfig, encoder: DictConfig, glove: DictConfig | None,
                  extract: DictConfig, cache_dir: str, splits: DictConfig, max_sentences: DictConfig,
-                 batch_size: int = 16, max_pairs: int = 10000, num_workers: int = 0, seed: int = 0):
+                 batch_size: int = 16, max_pairs: int = 10000, num_workers: int = 0, seed: int = 0,
+                 extract_in_child: bool = True):
         super().__init__()
+        self.extract_in_child = extract_in_child  # missing caches are built in a child process (peak memory)
         self.name, self.cache_dir = name, cache_dir
         self.treebank = instantiate(treebank)
         self.encoder_cfg, self.glove_cfg, self.extract_cfg = encoder, glove, extract
@@ -139,11 +141,12 @@ class DependencyDataModule(pl.LightningDataModule):
     def _load_caches(self) -> dict:
         if self.data:
             return self.data
-        encoder = instantiate(self.encoder_cfg)
+        encoder = instantiate(self.encoder_cfg)  # config and tokenizer only: the weights load where extraction runs
+        caches = ensure_caches(self.encoder_cfg, self.treebank, list(self.splits.values()), self.extract_cfg,
+                               self.cache_dir, self.max_sentences, child=self.extract_in_child)
         loaded = {}
         for stage, split in self.splits.items():
-            cache, sentences = ensure_cache(encoder, self.treebank, split, self.extract_cfg, self.cache_dir,
-                                            self.max_sentences.get(split))
+            cache, sentences = caches[split], self.treebank.read(split)[:self.max_sentences.get(split)]
             indices = [i for i in range(len(sentences)) if i in cache]
             if len(indices) < len(sentences):
                 log.warning("%s/%s: %d sentences longer than the encoder's maximum are not scored",
