@@ -84,14 +84,17 @@ def key_string(key: dict) -> str:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Exclusive lock on ``<path>.lock`` (fcntl; a no-op where there is none)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Exclusive lock on ``<path>.lock`` (fcntl); unlocked where there is no fcntl or the folder is read-only
+    (concurrent writers may then both measure; the atomic rename still keeps the file whole)."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: concurrent writers may both measure; the rename keeps the file whole
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(path.name + ".lock"), "a")
+    except (ImportError, OSError):
         yield
         return
-    with open(path.with_name(path.name + ".lock"), "a") as f:
+    with f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -135,7 +138,10 @@ def choose(key: dict, cands: Sequence[str], time_fn: Callable[[str], float], pat
         if path is not None:
             store = read_store(path)
             store[key_string(key)] = dict(precision=best, candidates=cands, key=key)
-            atomic_write_text(path, json.dumps(store, indent=1, sort_keys=True) + "\n")
+            try:
+                atomic_write_text(path, json.dumps(store, indent=1, sort_keys=True) + "\n")
+            except OSError as e:
+                log.warning("could not remember the precision decision in %s (%s); it will be measured again", path, e)
     return best
 
 
