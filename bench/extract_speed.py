@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -40,9 +41,12 @@ DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 # ----------------------------------------------------------------------------- loading (not timed)
 
 def load_words(split: str, n: int | None, data_dir: str) -> list[list[str]]:
-    from probes.data.sources import load_treebank
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
 
-    words = [list(s.words) for s in load_treebank("ewt", data_dir).read(split)]
+    with initialize_config_dir(str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("fetch", overrides=["treebank=ewt", f"paths.data_dir={data_dir}"])
+    words = [list(s.words) for s in instantiate(cfg.treebank).read(split)]
     return words[:n] if n else words
 
 
@@ -75,7 +79,7 @@ def _quiet() -> None:
     import logging
 
     warnings.filterwarnings("ignore")
-    import pytorch_lightning  # noqa: F401  (it sets its loggers' levels on import)
+    importlib.import_module("pytorch_lightning")  # it sets its loggers' levels on import: import first, then quiet
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

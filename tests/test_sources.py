@@ -2,16 +2,20 @@
 
 import functools
 import hashlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from probes.data.sources import ChecksumError, Treebank, ensure_file, load_treebank
+from probes.data.sources import ChecksumError, Treebank, ensure_file
 from tests.conftest import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +133,28 @@ def test_treebank_from_config():
     assert len(tb.read("test")) == 2077
     assert tb.file_sha256("test") == cfg.sha256.test
     assert load_treebank("ewt", d).path("test") == tb.path("test")
+
+
+def load_treebank(name: str, data_dir: Path) -> Treebank:
+    """The treebank node of conf/fetch.yaml with ``treebank=<name>``, as the fetch entry point composes it."""
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("fetch", overrides=[f"treebank={name}", f"paths.data_dir={data_dir}"])
+    return instantiate(cfg.treebank)
+
+
+@pytest.mark.slow
+def test_fetch_entry_point_verifies_shared(tmp_path):
+    """`python -m probes.data.fetch treebank=gum` checks the pinned sha256 of present files, writes no run folder."""
+    d = _shared()
+    env = dict(os.environ, PROBES_DATA_DIR=str(d))
+    out = subprocess.run([sys.executable, "-m", "probes.data.fetch", "treebank=gum"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"ud_english_gum/dev: {d / 'ud_english_gum' / 'en_gum-ud-dev.conllu'}" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+    bad = subprocess.run([sys.executable, "-m", "probes.data.fetch", "treebank=nope"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "treebank" in bad.stderr and "nope" in bad.stderr
 
 
 @pytest.mark.slow

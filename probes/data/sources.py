@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
 import socket
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -17,12 +15,10 @@ from tqdm import tqdm
 
 from probes.data.conllu import Sentence, read_conllu
 
-__all__ = ["ChecksumError", "Treebank", "ensure_file", "sha256_file", "main"]
+__all__ = ["ChecksumError", "Treebank", "ensure_file", "sha256_file"]
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_TREEBANK = REPO_ROOT / "conf" / "treebank"
 TIMEOUT_S = 60.0
 CHUNK = 1 << 20
 
@@ -46,7 +42,7 @@ def _missing(path: Path, url: str | None, rel: str | None, dataset: str | None, 
     src = f" (source: {url})" if url else " (no download URL configured)"
     return FileNotFoundError(
         f"data file not found: {path}{src}; {why}. To provide it, set PROBES_DATA_DIR to a folder "
-        f"containing {rel}, or run `python -m probes.data.sources {dataset}` with internet")
+        f"containing {rel}, or run `python -m probes.data.fetch treebank=<name>` (conf/treebank/<name>.yaml) with internet")
 
 
 def ensure_file(
@@ -158,54 +154,3 @@ class Treebank:
         if split not in self._digests:
             self._digests[split] = sha256_file(self.ensure(split))
         return self._digests[split]
-
-
-def _config_for(name: str) -> Path:
-    direct = CONF_TREEBANK / f"{name}.yaml"
-    if direct.is_file():
-        return direct
-    from omegaconf import OmegaConf
-
-    for p in sorted(CONF_TREEBANK.glob("*.yaml")):
-        if OmegaConf.load(p).get("name") == name:
-            return p
-    known = sorted(p.stem for p in CONF_TREEBANK.glob("*.yaml"))
-    raise KeyError(f"unknown dataset {name!r}; known: {known}")
-
-
-def load_treebank(name: str, data_dir: str | os.PathLike) -> Treebank:
-    """Instantiate ``conf/treebank/<name>.yaml`` (or the one whose ``name`` is ``name``) with ``data_dir``."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    cfg_path = _config_for(name)
-    cfg = OmegaConf.load(cfg_path)
-    if "_target_" not in cfg:
-        raise ValueError(f"{cfg_path}: not a treebank node (no _target_)")
-    cfg.data_dir = str(data_dir)
-    return instantiate(cfg)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m probes.data.sources ewt gum [--data-dir DIR]``."""
-    ap = argparse.ArgumentParser(prog="python -m probes.data.sources", description=__doc__)
-    ap.add_argument("datasets", nargs="+", help="config names under conf/treebank (e.g. ewt gum)")
-    ap.add_argument("--data-dir", default=None,
-                    help="target folder (default: $PROBES_DATA_DIR or <repo>/data)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    data_dir = args.data_dir or os.environ.get("PROBES_DATA_DIR") or str(REPO_ROOT / "data")
-    rc = 0
-    for name in args.datasets:
-        try:
-            tb = load_treebank(name, data_dir)
-            for split, p in tb.fetch().items():
-                print(f"{tb.name}/{split}: {p}")
-        except (KeyError, ValueError, FileNotFoundError, ChecksumError) as e:
-            log.error("%s", e)
-            rc = 1
-    return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())
