@@ -10,12 +10,15 @@ os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    from probes.train import train
+def main(cfg: DictConfig) -> float:
+    """Runs one job; returns ``metrics[optimized_metric]``, the value a sweeper (Optuna) optimises."""
+    from probes.train import objective, train
 
-    metrics = train(cfg)
-    return metrics.get(cfg.get("optimized_metric", "val/uas_best"))
+    return objective(train(cfg), cfg.optimized_metric)
 
 
 if __name__ == "__main__":
-    main()
+    from probes.train import run_ddp_rank
+
+    if not run_ddp_rank():  # a DDP rank > 0 trains from rank 0's config, in rank 0's run folder
+        main()

@@ -1,6 +1,7 @@
 """Pattern CNN (Kovaleva et al. 2019 §3): preprocessing, overfitting a handful of maps, the stratified
-split, `python train.py experiment=patterns` on a small synthetic set, the classify CLI, and
-`analysis=pattern_types` on a tiny random BERT."""
+split and folds, `python train.py experiment=patterns` (all maps) and the held-out variant on a small
+synthetic set, `python -m probes.patterns crossval` (scores against a direct recomputation), the classify
+CLI, the share correction, and `analysis=pattern_types` on a tiny random BERT."""
 
 from __future__ import annotations
 
@@ -137,24 +138,40 @@ def test_datamodule_split_on_shared_maps():
     assert dm.train_class_counts == [Counter(labels[k] for k in dm.split_ids["train"])[c] for c in CLASSES]
 
 
+_FAST = ["logger=none", "trainer.max_epochs=2", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false", "data.batch_size=8"]
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """`python train.py experiment=patterns` in-process on a 30-map synthetic folder (2 epochs)."""
+    """`python train.py experiment=patterns` (every map in train, last epoch kept) in-process on a 30-map
+    synthetic folder (2 epochs)."""
     from probes.train import train
 
     tmp = tmp_path_factory.mktemp("patterns")
     write_pattern_folder(tmp / "data" / "attention_patterns")
-    cfg = compose_train(["experiment=patterns", "logger=none", f"paths.data_dir={tmp / 'data'}",
-                         f"paths.output_dir={tmp / 'out'}", "trainer.max_epochs=2", "trainer.accelerator=cpu",
-                         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-                         "data.batch_size=8"])
+    cfg = compose_train(["experiment=patterns", f"paths.data_dir={tmp / 'data'}", f"paths.output_dir={tmp / 'out'}",
+                         *_FAST])
     metrics = train(cfg)
     return tmp, metrics
 
 
-def test_train_experiment_writes_checkpoint_and_per_class(trained_run):
+def test_release_experiment_trains_on_every_map(trained_run):
     tmp, metrics = trained_run
-    out = tmp / "out"
+    ckpt = Path(metrics["best_checkpoint"])
+    assert ckpt.is_file() and ckpt.parent == tmp / "out" / "checkpoints" and ckpt.name == "final-1.ckpt"
+    assert metrics["data/n_train"] == 30 and metrics["data/n_val"] == 0 and metrics["data/n_test"] == 0
+    assert "train/macro_f1" in metrics and not any(k.startswith("test/") for k in metrics)
+
+
+def test_held_out_variant_writes_checkpoint_and_per_class(tmp_path):
+    from probes.train import train
+
+    write_pattern_folder(tmp_path / "data" / "attention_patterns")
+    out = tmp_path / "out"
+    metrics = train(compose_train(["experiment=patterns", f"paths.data_dir={tmp_path / 'data'}",
+                                   f"paths.output_dir={out}", *_FAST, "data.fractions=[0.6,0.2,0.2]", "test=true",
+                                   "trainer.limit_val_batches=1.0", "callbacks.model_checkpoint.monitor=val/macro_f1"]))
     ckpt = Path(metrics["best_checkpoint"])
     assert ckpt.is_file() and ckpt.parent == out / "checkpoints"
     assert {"test/macro_f1", "test/acc", "val/macro_f1_best", "test/f1_block", "test/recall_diagonal"} <= set(metrics)
@@ -164,6 +181,75 @@ def test_train_experiment_writes_checkpoint_and_per_class(trained_run):
     assert (out / "metrics.json").is_file() and (out / "test_predictions.csv").is_file()
     preds = pd.read_csv(out / "test_predictions.csv", dtype={"id": str})
     assert len(preds) == 5 and set(preds.gold) == set(CLASSES)
+
+
+def test_stratified_folds_cover_every_id_once():
+    from probes.patterns.crossval import stratified_folds
+
+    labels = _labels_like_real()
+    folds = stratified_folds(labels, 5, seed=0)
+    ids = [k for f in folds for k in f]
+    assert sorted(ids) == sorted(labels) and len(ids) == len(set(ids))
+    assert max(map(len, folds)) - min(map(len, folds)) <= 1
+    for cls, n in Counter(labels.values()).items():
+        per = [sum(labels[k] == cls for k in f) for f in folds]
+        assert max(per) - min(per) <= 1, (cls, per)
+    assert folds == stratified_folds(labels, 5, seed=0) and folds != stratified_folds(labels, 5, seed=1)
+    dm = PatternDataModule("unused", folds=5, fold=2)
+    assert dm.folds == 5 and dm.fold == 2
+    with pytest.raises(ValueError, match="fold"):
+        PatternDataModule("unused", folds=5, fold=5)
+
+
+def test_scores_and_intervals_against_direct_computation():
+    from probes.patterns.crossval import report, wilson
+
+    rng = np.random.default_rng(0)
+    gold = rng.integers(0, 3, 200)
+    pred = np.where(rng.random(200) < 0.8, gold, rng.integers(0, 3, 200))
+    per, summary, cm = report(gold, pred, ["a", "b", "c"], n_boot=200, seed=0, min_support=5)
+    for k, name in enumerate("abc"):  # direct per-class counts
+        tp = int(((gold == k) & (pred == k)).sum())
+        prec, rec = tp / (pred == k).sum(), tp / (gold == k).sum()
+        row = per.set_index("class").loc[name]
+        assert row.precision == pytest.approx(prec) and row.recall == pytest.approx(rec)
+        assert row.f1 == pytest.approx(2 * prec * rec / (prec + rec))
+        assert row.recall_lo < rec < row.recall_hi and row.f1_lo <= row.f1 <= row.f1_hi
+    assert summary["accuracy"] == pytest.approx((gold == pred).mean())
+    # Wilson interval, textbook form: 8 of 10 -> (0.4902, 0.9433)
+    lo, hi = wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+
+
+def test_crossval_cli_on_synthetic_maps(tmp_path, capsys):
+    write_pattern_folder(tmp_path / "data" / "attention_patterns", per_class=4)
+    out = tmp_path / "cv"
+    rc = patterns_main(["crossval", "--folds", "2", "--n-boot", "50", "--out", str(out), f"paths.data_dir={tmp_path / 'data'}",
+                        "trainer.max_epochs=2", "trainer.accelerator=cpu", "data.batch_size=8"])
+    assert rc == 0
+    pred = pd.read_csv(out / "predictions.csv", dtype={"id": str})
+    labels = json.loads((tmp_path / "data" / "attention_patterns" / "labels.json").read_text())
+    assert sorted(pred.id) == sorted(labels) and set(pred.fold) == {0, 1}   # every map predicted once
+    assert (pred.gold == pred.id.map(labels)).all()
+    cm = pd.read_csv(out / "confusion.csv").set_index("gold")
+    assert int(cm.to_numpy().sum()) == len(labels) and list(cm.columns) == list(CLASSES)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"] == pytest.approx((pred.gold == pred.predicted).mean())
+    assert summary["n_maps"] == 20 and summary["block_rule"]["pair_maps"] == 0   # no meta.jsonl here
+
+
+def test_correct_shares_inverts_a_known_confusion():
+    from probes.analysis.kovaleva.pattern_types import correct_shares
+
+    conf = np.array([[80, 10, 10, 0], [20, 70, 10, 0], [5, 5, 90, 0], [1, 1, 1, 1]], float)  # last: too few
+    est = conf.sum(1) >= 5
+    p = np.array([0.5, 0.3, 0.2, 0.0])
+    C = conf / conf.sum(1, keepdims=True)
+    q = C.T @ p
+    assert np.allclose(correct_shares(q, conf, est), p, atol=1e-4)
+    # observed shares that no mixture produces: still a point on the simplex
+    r = correct_shares(np.array([0.0, 0.0, 0.0, 1.0]), conf, est)
+    assert r.min() >= 0 and r.sum() == pytest.approx(1.0) and r[3] == 0
 
 
 def test_classify_cli_writes_every_id(trained_run, tmp_path, capsys):
@@ -217,6 +303,12 @@ def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
     from probes.analysis.context import run_analysis
 
     _, metrics = trained_run
+    conf_dir = tmp_path / "cv"   # a cross-validation report: confusion.csv (+ predictions.csv)
+    conf_dir.mkdir()
+    m = np.diag([20, 10, 10, 3, 10])  # block: 3 labelled maps, fewer than min_support
+    m[0, 2] = m[2, 0] = m[4, 0] = m[1, 2] = 2
+    cm = pd.DataFrame(m, index=pd.Index(CLASSES, name="gold"), columns=CLASSES)
+    cm.reset_index().to_csv(conf_dir / "confusion.csv", index=False)
     d = tmp_path / "data" / "glue" / "RTE"
     d.mkdir(parents=True)
     (d / "dev.tsv").write_text(RTE_DEV)
@@ -231,7 +323,8 @@ def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
         cfg = compose(config_name="analyze", overrides=[
             "analysis=pattern_types", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}", "logger.use_wandb=false",
             f"analysis.classifier={metrics['best_checkpoint']}", "analysis.task=rte", "analysis_device=cpu",
-            f"analysis.checkpoint={ft.parent}", "analysis.min_length=16"])
+            f"analysis.checkpoint={ft.parent}", "analysis.min_length=16", f"analysis.confusion={conf_dir}",
+            "analysis.n_boot=50"])
     out = tmp_path / "out"
     run_analysis(cfg, out)
     df = pd.read_csv(out / "pattern_types.csv")
@@ -245,5 +338,12 @@ def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
     by_layer = pd.read_csv(out / "pattern_types_by_layer.csv")
     assert sorted(by_layer.layer.unique()) == list(range(L))
     assert (out / "pattern_types.png").is_file() and (out / "pattern_types_by_layer.png").is_file()
+    # corrected shares: block (3 labelled maps < 5) not estimable, the rest on the simplex with intervals
+    assert df[df.pattern == "block"].corrected.isna().all()
+    c = df[df.pattern != "block"]
+    assert c.groupby("model").corrected.sum().round(6).eq(1).all()
+    assert ((c.corrected_lo <= c.corrected + 1e-9) & (c.corrected <= c.corrected_hi + 1e-9)).all()
+    shift = pd.read_csv(out / "pattern_types_shift.csv")
+    assert len(shift) == 4 and (shift["diff"].abs() < 1e-12).all() and not shift["shift"].any()  # same weights
     summary = json.loads((out / "summary.json").read_text())
     assert summary["results"]["rte/pre-trained"]["n_skipped_length"] == 1

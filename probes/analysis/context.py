@@ -4,7 +4,8 @@ An analysis is a plain function ``fn(ctx, *, split, max_sentences, **params)``; 
 (``conf/analysis/<name>.yaml``) names it with ``_target_`` and ``_partial_: true``, and
 :func:`run_analysis` instantiates that node and calls it with one :class:`AnalysisContext`.
 
-Outputs: :meth:`AnalysisContext.save_table` writes a tidy CSV (and a wandb Table),
+Outputs: :meth:`AnalysisContext.save_table` writes a tidy CSV (and a wandb Table: every analysis's
+tables land in the dashboard from here, none of them calls wandb itself),
 :meth:`~AnalysisContext.save_figure` a PNG (and a wandb Image), :meth:`~AnalysisContext.log_summary`
 merges scalars into ``summary.json`` (and the wandb run summary). Every file is written to a
 temporary name in the output folder and renamed into place, so a reader never sees half a file.
@@ -52,6 +53,9 @@ class AnalysisContext:
         self._summary: dict[str, Any] = {}
         self.files: list[Path] = []
         self.t0 = time.time()
+        from probes.report.provenance import write_provenance
+
+        write_provenance(self.output_dir)  # commit, machine, command (read by `python -m probes.report`)
 
     def seconds(self) -> float:
         """Wall time since the analysis started, rounded to 0.1 s."""
@@ -97,18 +101,27 @@ class AnalysisContext:
     # ----------------------------------------------------------------- wandb
     @property
     def wandb_run(self):
-        """The wandb run (started on first use; None when wandb is switched off)."""
+        """The wandb run (started on first use; None when wandb is switched off).
+
+        Group, job type (the analysis name) and run name as for training runs
+        (:mod:`probes.report.tracking`); the resolved config flattened to dotted keys.
+        """
         if not self.use_wandb:
             return None
         if self._wandb_run is None:
-            import wandb
+            from probes.report.tracking import init_run
 
             lc = self.cfg.logger
-            self._wandb_run = wandb.init(
-                project=lc.get("project", "probes"), name=lc.get("name"), mode=lc.get("mode", "offline"),
-                tags=list(lc.get("tags") or []), dir=str(self.output_dir), config=_to_plain(self.cfg),
-                job_type="analysis", reinit="finish_previous")
+            self._wandb_run = init_run(
+                _to_plain(self.cfg), project=lc.get("project", "probes"), mode=lc.get("mode", "offline"),
+                job_type=self.name, task_name=str(self.cfg.get("task_name") or "analyze"),
+                dir=self.output_dir, tags=list(lc.get("tags") or []), group=lc.get("group"), name=lc.get("name"))
         return self._wandb_run
+
+    @property
+    def name(self) -> str:
+        """The analysis name: its function's name (= its config name, ``conf/analysis/<name>.yaml``)."""
+        return str(self.cfg.analysis._target_).rsplit(".", 1)[-1]
 
     def finish(self) -> None:
         if self._wandb_run is not None:

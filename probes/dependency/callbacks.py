@@ -24,6 +24,12 @@ class ConlluPredictionWriter(pl.Callback):
             self.preds[i] = p[:n]
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.world_size > 1:  # DDP: each rank scored its own sentences; rank 0 writes them all
+            import torch.distributed as dist
+
+            parts = [None] * trainer.world_size
+            dist.all_gather_object(parts, self.preds)
+            self.preds = {i: p for part in parts for i, p in part.items()}
         if not trainer.is_global_zero:
             return
         sentences = trainer.datamodule.sentences("test")

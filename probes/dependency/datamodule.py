@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
 from probes.data.conllu import Sentence
 from probes.data.glove import vector_rows
@@ -84,11 +84,19 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
                 root_sep=root_sep, heads=heads, punct=punct, glove=glove, lengths=lengths)
 
 
-class LengthBatchSampler(Sampler[list[int]]):
-    """Batches of similar length under a (batch_size, pairs) budget; shuffled per epoch when training."""
+class LengthBatchSampler(BatchSampler):
+    """Batches of similar length under a (batch_size, pairs) budget; shuffled per epoch when training.
 
-    def __init__(self, lengths: list[int], batch_size: int, max_pairs: int, shuffle: bool, seed: int = 0):
+    Under DDP Lightning re-creates it with its ``DistributedSampler`` as ``sampler`` (a ``BatchSampler``
+    subclass built in a ``*_dataloader`` hook); rank r of R then keeps batches r, r + R, ... of the same
+    global order: training pads the order by repeating its first batches so that every rank takes the same
+    number of steps, evaluation never repeats one, so each sentence is scored exactly once.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, max_pairs: int, shuffle: bool, seed: int = 0,
+                 sampler: Sampler | None = None):
         self.lengths, self.batch_size, self.max_pairs, self.shuffle, self.seed = lengths, batch_size, max_pairs, shuffle, seed
+        self.sampler, self.drop_last = sampler, False
         self.epoch = 0
 
     def _batches(self) -> list[list[int]]:
@@ -105,6 +113,11 @@ class LengthBatchSampler(Sampler[list[int]]):
         if self.shuffle:
             rng.shuffle(batches)
             self.epoch += 1
+        if isinstance(self.sampler, DistributedSampler) and self.sampler.num_replicas > 1:
+            rank, world = self.sampler.rank, self.sampler.num_replicas
+            if self.shuffle:  # training: the same number of steps on every rank
+                batches += batches[:-len(batches) % world]
+            batches = batches[rank::world]
         return batches
 
     def __iter__(self):
@@ -141,7 +154,6 @@ class DependencyDataModule(pl.LightningDataModule):
     def _load_caches(self) -> dict:
         if self.data:
             return self.data
-        encoder = instantiate(self.encoder_cfg)  # config and tokenizer only: the weights load where extraction runs
         caches = ensure_caches(self.encoder_cfg, self.treebank, list(self.splits.values()), self.extract_cfg,
                                self.cache_dir, self.max_sentences, child=self.extract_in_child)
         loaded = {}
@@ -157,7 +169,11 @@ class DependencyDataModule(pl.LightningDataModule):
                 words=[x.words for x in sentences], indices=indices,
                 sentences=sentences if stage in self.keep_sentences else None)
             del sentences
-        self.num_layers, self.num_heads = encoder.num_layers, encoder.num_heads
+        # maps per sentence as stored: (L, H) for per-head kinds, (L, 1) for per-layer ones (rollout, alti, ...)
+        shapes = {(c.num_layers, c.num_heads) for c in caches.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"{self.name}: the splits' caches store different map shapes {sorted(shapes)}")
+        self.num_layers, self.num_heads = shapes.pop()
         self._attach_vectors(loaded)
         self.data = loaded
         return loaded

@@ -53,7 +53,8 @@ class DependencyProbe(pl.LightningModule):
         m["uas"].update(pred, gold, words)
         m["uas_nopunct"].update(pred, gold, words & ~batch["punct"])
         bs = int(words.sum())
-        self.log(f"{split}/loss", loss, on_step=split == "train", on_epoch=True, prog_bar=True, batch_size=bs)
+        self.log(f"{split}/loss", loss, on_step=split == "train", on_epoch=True, prog_bar=True, batch_size=bs,
+                 sync_dist=True)  # DDP: the mean over processes (the UAS metrics sync their counts)
         self.log_dict(m, on_step=False, on_epoch=True, prog_bar=split != "train", batch_size=bs)
         return loss, pred
 
@@ -67,7 +68,7 @@ class DependencyProbe(pl.LightningModule):
         if self.trainer.sanity_checking:
             return
         self.val_uas_best(self.val_metrics["uas"].compute())
-        self.log("val/uas_best", self.val_uas_best.compute(), prog_bar=True)
+        self.log("val/uas_best", self.val_uas_best.compute(), prog_bar=True, sync_dist=True)  # same on every rank
 
     def test_step(self, batch, batch_idx):
         _, pred = self._step(batch, "test")

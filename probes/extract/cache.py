@@ -7,19 +7,31 @@ Layout of one cache entry (read lazily, one sentence at a time) `<cache_dir>/att
 A map of a sentence with n words has side W = n + 2 ([CLS], words, [SEP]) and shape (L, H, W, W).
 An entry is built in `<entry>.partial/` and renamed into place once complete, so nothing that
 lacks a manifest is ever read; an interrupted build is deleted and redone by the next run.
+
+Concurrent builds (parallel sweep jobs, DDP ranks' loaders): :func:`build_lock` takes an exclusive
+lock on `<cache_dir>/.locks/<kind>/<entry>.lock` (:func:`lock_path`; ``filelock``: ``flock``, released
+by the kernel when its holder dies; outside the kind's folder, which lists entries only), so exactly
+one process builds an entry while the others wait and then read it; a waiting process whose builder
+was killed gets the lock, finds no manifest and builds the entry itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from probes.io import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
@@ -31,6 +43,50 @@ def cache_key_hash(key: dict) -> str:
 def entry_dir(cache_dir: str | Path, key: dict) -> Path:
     slug = "-".join(str(key[k]) for k in ("encoder", "dataset", "split")).replace("/", "_")
     return Path(cache_dir) / "attention" / f"{slug}-{cache_key_hash(key)}"
+
+
+def is_complete(final_dir: str | Path) -> bool:
+    """An entry is complete once its manifest exists (it is written last, then the folder renamed into place)."""
+    return (Path(final_dir) / "manifest.json").exists()
+
+
+def lock_path(final_dir: str | Path) -> Path:
+    """The build lock of the entry ``<cache_dir>/<kind>/<entry>``: ``<cache_dir>/.locks/<kind>/<entry>.lock``."""
+    final_dir = Path(final_dir)
+    return final_dir.parent.parent / ".locks" / final_dir.parent.name / f"{final_dir.name}.lock"
+
+
+@contextlib.contextmanager
+def build_lock(final_dir: str | Path, poll_interval: float = 0.5, timeout: float | None = None) -> Iterator[bool]:
+    """Hold the build lock of the cache entry ``final_dir`` (any kind of entry: a folder that is complete
+    once it has a ``manifest.json``) for the duration of the block.
+
+    Yields True when this process must build the entry (it holds the lock and the entry is still
+    incomplete, e.g. because the previous builder was killed), False when it is complete (built by another
+    process while this one waited): then just read it. The lock (:func:`lock_path`) is an ``flock`` that the
+    kernel releases when its holder exits or dies, so a killed builder never blocks the others.
+    ``timeout``: seconds to wait for another builder (None: no limit; raises ``TimeoutError``).
+    """
+    from filelock import FileLock, Timeout
+
+    final_dir, path = Path(final_dir), lock_path(final_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process building %s", final_dir)
+        t0 = time.monotonic()
+        try:
+            lock.acquire(timeout=-1 if timeout is None else timeout, poll_interval=poll_interval)
+        except Timeout:
+            raise TimeoutError(f"cache entry {final_dir} still locked by another builder after {timeout} s "
+                               f"(lock file {lock.lock_file})") from None
+        log.info("cache entry lock acquired after %.1f s: %s", time.monotonic() - t0, final_dir)
+    try:
+        yield not is_complete(final_dir)
+    finally:
+        lock.release()
 
 
 class ShardWriter:

@@ -35,6 +35,7 @@ def cache_key(encoder: Encoder, treebank: Treebank, split: str, settings: dict, 
         max_sentences=max_sentences, from_words=settings["from_words"], to_words=settings["to_words"],
         max_length=settings["max_length"] or encoder.max_length, long_sentences=settings["long_sentences"],
         precision=precision, storage="float16",
+        **({"maps": dict(kind=settings["maps"], **settings["measures"][settings["maps"]])} if settings.get("maps", "attention") != "attention" else {}),
     )
 
 

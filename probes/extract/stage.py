@@ -98,10 +98,11 @@ class AttentionExtractor(pl.LightningModule):
     map depends on, are never computed).
     """
 
-    def __init__(self, model: torch.nn.Module, num_layers: int | None = None):
+    def __init__(self, model: torch.nn.Module, num_layers: int | None = None, measure=None):
         super().__init__()
         self.model = model
         self.layers = list(range(num_layers if num_layers is not None else int(model.config.num_hidden_layers)))
+        self.measure = measure  # a probes.measures.Measure (extract.maps); None: attention probabilities
 
     def attention_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
         """L x (B, H, T, T) probabilities of every layer (compute dtype)."""
@@ -114,8 +115,12 @@ class AttentionExtractor(pl.LightningModule):
         return torch.stack(self.attention_probs(input_ids, attention_mask), dim=1)
 
     def word_maps(self, batch: dict[str, torch.Tensor], dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        """(B, L, H, W, W) word-level maps of a :func:`make_batch` batch (pooled in float32)."""
-        probs = self.attention_probs(batch["input_ids"], batch["attention_mask"])
+        """(B, L, H', W, W) word-level maps of a :func:`make_batch` batch (pooled in float32); H' = H, or 1
+        for per-layer measures."""
+        if self.measure is None:
+            probs = self.attention_probs(batch["input_ids"], batch["attention_mask"])
+        else:  # L x (B, H', T, T) piece-level maps of the configured kind
+            probs = self.measure(self.model, batch["input_ids"], batch["attention_mask"])
         with torch.autocast(probs[0].device.type, enabled=False):
             return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype)
 
@@ -239,7 +244,35 @@ def select(encoded: list[Encoded], max_length: int, long_sentences: str) -> tupl
     return [i for i in range(len(encoded)) if i not in skipped], too_long
 
 
-def extract(
+def extract(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
+            trainer: Callable[..., pl.Trainer], **settings) -> C.AttentionCache:
+    """Write (or reuse) the cache entry for `key` (settings: see :func:`_extract`); `trainer` is a partial
+    Trainer constructor. Exactly one process builds an entry (:func:`probes.extract.cache.build_lock`): the
+    others wait and read it, and take the build over if its builder dies."""
+    final_dir = C.entry_dir(cache_dir, key)
+    if C.is_complete(final_dir):
+        log.info("attention cache hit: %s", final_dir)
+        return C.AttentionCache(final_dir)
+    if _extraction_peer(trainer):  # rank > 0 of a multi-process extraction: its rank 0 holds the lock
+        return _extract(encoder, sentences, key, cache_dir, trainer, **settings)
+    with C.build_lock(final_dir) as build_here:
+        if not build_here:
+            log.info("attention cache built by another process: %s", final_dir)
+            return C.AttentionCache(final_dir)
+        return _extract(encoder, sentences, key, cache_dir, trainer, **settings)
+
+
+def _extraction_peer(trainer: Callable[..., pl.Trainer]) -> bool:
+    """Whether this process is a rank > 0 of the extraction's own multi-process Trainer (started by
+    Lightning's launcher, SLURM or torchrun): the group's rank 0 takes the build lock for all of it."""
+    kw = getattr(trainer, "keywords", {})
+    if str(kw.get("devices", 1)) == "1" and int(kw.get("num_nodes", 1)) == 1:
+        return False
+    t = trainer()
+    return t.world_size > 1 and t.global_rank > 0
+
+
+def _extract(
     encoder: Encoder,
     sentences: list[list[str]],
     key: dict,
@@ -254,15 +287,21 @@ def extract(
     max_pairs: int | None = 65536,
     num_workers: int = 0,
     encoded: list[Encoded] | None = None,
+    maps: str = "attention",
+    measures: dict | None = None,
 ) -> C.AttentionCache:
     """Write (or reuse) the cache entry for `key`; `trainer` is a partial Trainer constructor.
 
-    ``encoded``: the sentences already through :func:`encode_words` (saves tokenizing twice)."""
+    ``encoded``: the sentences already through :func:`encode_words` (saves tokenizing twice).
+    ``maps``: the map kind, built from ``measures[maps]`` (:mod:`probes.measures`)."""
+    from probes.measures import build
+
     final_dir = C.entry_dir(cache_dir, key)
     if (final_dir / "manifest.json").exists():
         log.info("attention cache hit: %s", final_dir)
         return C.AttentionCache(final_dir)
-    max_length = max_length or encoder.max_length
+    measure = build(maps, measures)
+    max_length = min(max_length or encoder.max_length, measure.max_pieces or encoder.max_length)
     encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
     keep, too_long = select(encoded, max_length, long_sentences)
     if too_long:
@@ -274,13 +313,16 @@ def extract(
     pad_id = encoder.tokenizer.pad_token_id
     data = SentenceBatches(kept, keep, batches, from_words, to_words, 0 if pad_id is None else pad_id)
     manifest = dict(format_version=C.FORMAT_VERSION, key=key, n_sentences=len(sentences), skipped=too_long,
-                    num_layers=encoder.num_layers, num_heads=encoder.num_heads,
+                    num_layers=encoder.num_layers, num_heads=measure.heads(encoder.num_heads), maps=maps,
                     n_pieces=int(sum(e.n_pieces for e in kept)), dtype="float16",
-                    layout="(L, H, W, W), W = words + 2: [CLS], words, [SEP]; rows attend to columns")
+                    layout="(L, H, W, W), W = words + 2: [CLS], words, [SEP]; rows attend to columns "
+                           "(H = 1 for per-layer map kinds)")
     writer = CacheWriter(final_dir, manifest)
     t = trainer(callbacks=[writer])
     loader = DataLoader(data, batch_size=None, num_workers=num_workers,
                         persistent_workers=False, pin_memory=False)
     log.info("extracting attention: %d sentences, %d batches -> %s", len(kept), len(batches), final_dir)
-    t.predict(AttentionExtractor(encoder.model, encoder.num_layers), loader, return_predictions=False)
+    log.info("map kind: %s", maps)
+    t.predict(AttentionExtractor(encoder.model, encoder.num_layers, None if maps == "attention" else measure),
+              loader, return_predictions=False)
     return C.AttentionCache(final_dir)

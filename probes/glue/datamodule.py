@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from probes.data.glue import GlueExample, glue_files, read_glue, task_spec
+from probes.data.glue import GlueExample, glue_files, missing_file_message, read_glue, task_spec
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class GlueDataModule(pl.LightningDataModule):
     def __init__(self, task: str, encoder, data_dir: str, batch_size: int = 32, eval_batch_size: int = 64,
                  max_length: int = 128, max_train_examples: int | None = None,
                  max_eval_examples: int | None = None, seed: int = 0, num_workers: int = 0,
-                 main_metric: str | None = None, name: str | None = None):
+                 main_metric: str | None = None, name: str | None = None, test_split: str = "dev"):
         super().__init__()
         self.spec = task_spec(task)
         self.task = self.spec.name
@@ -78,14 +78,18 @@ class GlueDataModule(pl.LightningDataModule):
         self.train_features: list[dict] | None = None
         self.dev_features: list[dict] | None = None
         self.n_train_available = 0
+        # the split `trainer.test` scores (default the dev set again; MNLI: dev_mismatched, while
+        # validation = model selection stays on `dev` = dev_matched)
+        self.test_split = str(test_split)
+        glue_files(self.task, self.test_split, self.data_dir)  # unknown split: error now
+        self.test_features: list[dict] | None = None
 
     def prepare_data(self) -> None:
         """Nothing to download: check that the task's files are there (clear error otherwise)."""
-        for split in ("train", "dev"):
+        for split in dict.fromkeys(("train", "dev", self.test_split)):
             for p in glue_files(self.task, split, self.data_dir):
                 if not p.is_file():
-                    raise FileNotFoundError(f"GLUE {self.task}/{split}: file not found: {p} "
-                                            f"(set paths.data_dir or PROBES_DATA_DIR to the folder holding glue/)")
+                    raise FileNotFoundError(missing_file_message(self.task, split, p))
 
     def examples(self, split: str) -> list[GlueExample]:
         ex = read_glue(self.task, split, self.data_dir)
@@ -100,6 +104,9 @@ class GlueDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.dev_features is None:
             self.dev_features = tokenize(self.tokenizer, self.examples("dev"), self.max_length, self.regression)
+        if self.test_split != "dev" and stage in (None, "test") and self.test_features is None:
+            self.test_features = tokenize(self.tokenizer, self.examples(self.test_split), self.max_length,
+                                          self.regression)
         if stage in (None, "fit") and self.train_features is None:
             self.train_features = tokenize(self.tokenizer, self.examples("train"), self.max_length,
                                            self.regression)
@@ -118,8 +125,11 @@ class GlueDataModule(pl.LightningDataModule):
     def val_dataloader(self):
         return self._dev()
 
-    def test_dataloader(self):  # GLUE test labels are private: the dev set again
-        return self._dev()
+    def test_dataloader(self):  # GLUE test labels are private: the dev set again (or `test_split`)
+        if self.test_split == "dev":
+            return self._dev()
+        return DataLoader(self.test_features, batch_size=self.eval_batch_size, shuffle=False,
+                          collate_fn=self.collate, num_workers=self.num_workers)
 
     def summary(self) -> dict[str, float]:
         out = {}

@@ -1,4 +1,5 @@
-"""Per-task GLUE metrics (torchmetrics): CoLA MCC, SST-2/RTE accuracy, MRPC F1 + accuracy, STS-B Pearson/Spearman.
+"""Per-task GLUE metrics (torchmetrics): CoLA MCC, SST-2/RTE/QNLI/WNLI accuracy, MRPC/QQP F1 + accuracy,
+STS-B Pearson/Spearman, MNLI 3-class accuracy.
 
 All metrics are fractions (not percentages). Classification metrics take the argmax class
 (label 1 = positive class for F1: MRPC "paraphrase"); STS-B takes the raw regression output.
@@ -30,9 +31,11 @@ def task_metrics(task: str) -> MetricCollection:
     name = task_spec(task).name
     if name == "cola":
         m = {"mcc": MatthewsCorrCoef()}
-    elif name in ("sst2", "rte"):
+    elif name in ("sst2", "rte", "qnli", "wnli"):
         m = {"acc": Accuracy(task="binary")}
-    elif name == "mrpc":
+    elif name == "mnli":
+        m = {"acc": Accuracy(task="multiclass", num_classes=3, average="micro")}
+    elif name in ("mrpc", "qqp"):
         m = {"f1": F1Score(task="binary"), "acc": Accuracy(task="binary")}
     elif name == "stsb":
         m = {"pearson": PearsonCorrCoef(), "spearman": SpearmanCorrCoef()}

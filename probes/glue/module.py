@@ -13,6 +13,13 @@ groups (no weight decay on biases/LayerNorm; `head_lr` for the head when set) an
 scheduler `num_warmup_steps = warmup_ratio * total` and `num_training_steps = total` (stepped every
 optimizer step).
 
+Layer-wise learning rates (ULMFiT's discriminative fine-tuning; `layer_decay`, default 1.0): the
+parameters of encoder layer l (0 = embeddings, 1..L = blocks, L = ``config.num_hidden_layers``;
+layers from :func:`probes.model.layers.parameter_layers`) train at ``lr * layer_decay ** (L - l)``;
+the pooler and the head at the full lr (``head_lr`` still applies to the head). ``layer_decay: 1.0``
+builds exactly the groups of a run without the option. Per-layer gradient norms:
+`probes.glue.callbacks.GradNormLog`.
+
 `freeze_encoder: true` is the "pre-trained without fine-tuning" baseline: the encoder (pooler
 included) stays frozen and in eval mode, only the head trains (use a larger `head_lr`; the
 `glue_<task>_frozen` experiments use 3e-2).
@@ -53,7 +60,7 @@ SPLITS = ("train", "val", "test")
 class SequenceClassifier(pl.LightningModule):
     def __init__(self, encoder, task: str, optimizer: Callable | None = None, scheduler: Callable | None = None,
                  head_lr: float | None = None, warmup_ratio: float = 0.1, dropout: float | None = None,
-                 freeze_encoder: bool = False, pooling: str = "pooler", **legacy):
+                 freeze_encoder: bool = False, pooling: str = "pooler", layer_decay: float = 1.0, **legacy):
         super().__init__()
         unknown = sorted(set(legacy) - set(LEGACY_OPTIMIZER_HPARAMS))
         if unknown:
@@ -71,6 +78,8 @@ class SequenceClassifier(pl.LightningModule):
         self.encoder = copy.deepcopy(encoder.base)  # the encoder without its head (e.g. BertModel)
         self.encoder.requires_grad_(not freeze_encoder)
         self.encoder.train(not freeze_encoder)  # Encoder.model is in eval mode; Lightning keeps submodule modes
+        if not layer_decay > 0:
+            raise ValueError(f"layer_decay must be > 0, got {layer_decay}")
         if pooling not in ("pooler", "cls"):
             raise ValueError(f"pooling must be 'pooler' or 'cls', got {pooling!r}")
         if pooling == "pooler" and getattr(self.encoder, "pooler", None) is None:
@@ -116,14 +125,15 @@ class SequenceClassifier(pl.LightningModule):
         logits = self(**batch)
         labels = batch["labels"]
         loss = self.loss(logits, labels)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(labels))
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(labels),
+                 sync_dist=True)  # DDP: the mean over processes
         self.train_metrics.update(predictions(self.task, logits.detach()), labels)
         if self.trainer.optimizers:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 
     def on_train_epoch_end(self):
-        self.log_dict(self._compute(self.train_metrics))
+        self.log_dict(self._compute(self.train_metrics), sync_dist=True)
 
     def _eval_step(self, batch, split: str):
         logits = self(**batch)
@@ -157,26 +167,49 @@ class SequenceClassifier(pl.LightningModule):
             self.val_best.update(main)
         if self.val_best.update_count:
             values[f"val/{self.spec.main_metric}_best"] = float(self.val_best.compute())
-        self.log_dict(values, prog_bar=True)
+        self.log_dict(values, prog_bar=True, sync_dist=True)  # computed from synced metric states: equal on all ranks
 
     def test_step(self, batch, batch_idx):
         self._eval_step(batch, "test")
 
     def on_test_epoch_end(self):
-        self.log_dict(self._eval_end("test"))
+        self.log_dict(self._eval_end("test"), sync_dist=True)
 
     # ------------------------------------------------------------------ optimisation
+    def encoder_layers(self) -> dict[str, int]:
+        """``{encoder parameter name: layer}``: 0 embeddings, 1..L blocks, L + 1 pooler / final norm
+        (:func:`probes.model.layers.parameter_layers`, found once)."""
+        if getattr(self, "_encoder_layers", None) is None:
+            from probes.model.layers import parameter_layers
+
+            self._encoder_layers = parameter_layers(self.encoder)
+        return self._encoder_layers
+
+    def layer_lr_scale(self, layer: int) -> float:
+        """``layer_decay ** (L - layer)`` for layers 0..L; 1 above L (pooler, final norm)."""
+        L = int(self.hf_config.num_hidden_layers)
+        return float(self.hparams.get("layer_decay", 1.0)) ** max(L - layer, 0)
+
     def param_groups(self) -> list[dict]:
         """Encoder and head parameters, each split into decayed and not decayed (biases, norms; weight
         decay 0). Decayed groups take the optimizer's weight decay; the head's groups ``head_lr``
-        when set, the others the optimizer's lr."""
+        when set, the others the optimizer's lr. With ``layer_decay != 1`` the encoder's groups are
+        split further by layer, each with a ``layer`` key (its lr is set by :meth:`configure_optimizers`)."""
         hp = self.hparams
-        parts = [(self.encoder, None)] if not hp.freeze_encoder else []
-        parts.append((self.head, hp.head_lr))
+        decay = float(hp.get("layer_decay", 1.0))
+        parts = []
+        if not hp.freeze_encoder:
+            named = [(n, p) for n, p in self.encoder.named_parameters() if p.requires_grad]
+            if decay == 1.0:
+                parts.append((named, {}))
+            else:  # configure_optimizers scales each group's lr by layer_lr_scale(layer)
+                layers = self.encoder_layers()
+                for l in sorted({layers[n] for n, _ in named}):
+                    parts.append(([(n, p) for n, p in named if layers[n] == l], {"layer": l}))
+        head_named = [(n, p) for n, p in self.head.named_parameters() if p.requires_grad]
+        parts.append((head_named, {"lr": hp.head_lr} if hp.head_lr is not None else {}))
         groups = []
-        for module, lr in parts:
-            params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            extra = {"lr": lr} if lr is not None else {}
+        for params, extra in parts:
             groups.append({"params": [p for n, p in params if not n.endswith(NO_DECAY)], **extra})
             groups.append({"params": [p for n, p in params if n.endswith(NO_DECAY)], "weight_decay": 0.0, **extra})
         return [g for g in groups if g["params"]]
@@ -185,6 +218,9 @@ class SequenceClassifier(pl.LightningModule):
         if self.optimizer_factory is None:
             raise ValueError("SequenceClassifier needs an optimizer partial to train (probe.optimizer)")
         opt = self.optimizer_factory(params=self.param_groups())
+        for g in opt.param_groups:  # layer-wise lr: lr * layer_decay ** (L - layer), before the scheduler reads it
+            if "layer" in g:
+                g["lr"] = g["lr"] * self.layer_lr_scale(g["layer"])
         if self.scheduler_factory is None:
             return opt
         total = int(self.trainer.estimated_stepping_batches)

@@ -12,7 +12,12 @@ exactly the eager attention (scores, mask, softmax, dropout, ``A @ V``). Inside 
 * scale each head's output by a gate (``(L, H)``, e.g. ones with ``requires_grad`` for gradient-based
   head importance);
 * keep the per-head value vectors ``(B, H, T, d)`` and outputs ``(B, T, H, d)`` (before the output
-  projection).
+  projection);
+* keep each block's internals (``internals=True``: block input and output, the heads' output projection,
+  the residual sum entering the LayerNorm after it and that LayerNorm's output, ``(B, T, D)`` each; the
+  modules are found once per model by :func:`layer_parts`), zero chosen tokens' value vectors in every
+  head (``zero_values``, value zeroing), replace block inputs (``block_inputs``) and stop after a block
+  (``stop_block``).
 
 DeBERTa-v2/v3 computes disentangled attention itself; :func:`install_adapters` gives its
 ``DisentangledSelfAttention`` modules a forward that computes the same scores and then goes through the
@@ -66,6 +71,7 @@ def finish_attention(module: nn.Module, weights: torch.Tensor, value: torch.Tens
     layer = session._next_layer(module) if session is not None else None
     if layer is not None:
         weights = session._edit(layer, weights, mask)
+        value = session._edit_value(layer, value)
     out = torch.matmul(weights, value)  # (B, H, T, d)
     if layer is not None:
         out = session._after(layer, weights, value, out)
@@ -246,7 +252,8 @@ class Session:
     """What one ``with attention(model, ...)`` block captures and changes; see :func:`attention`."""
 
     def __init__(self, model: nn.Module, capture: Iterable[int] | None, stop: bool, uniform, gates, values: bool,
-                 retain_grad: bool):
+                 retain_grad: bool, internals: bool = False, block_inputs: dict | None = None,
+                 zero_values=None, stop_block: int | None = None):
         self.model = model
         self.sites = attention_sites(model)
         L = len(self.sites)
@@ -268,6 +275,22 @@ class Session:
         self._layers: dict[int, list[int]] = {}
         for l, m in enumerate(self.sites):
             self._layers.setdefault(id(m), []).append(l)
+        # block internals (see attention(): internals, block_inputs, zero_values, stop_block)
+        self.internals = internals
+        self.block_inputs = {int(l): x for l, x in (block_inputs or {}).items()}  # layer -> (B, T, D)
+        self.zero_values = zero_values  # (B, T) bool, or {layer: (B, T) bool}
+        self.stop_block = stop_block
+        for l in list(self.block_inputs) + ([stop_block] if stop_block is not None else []):
+            _check(l, L, "layer")
+        self.block_input: dict[int, torch.Tensor] = {}    # layer -> (B, T, D) hidden states entering the block
+        self.block_output: dict[int, torch.Tensor] = {}   # layer -> (B, T, D) hidden states leaving the block
+        self.proj_output: dict[int, torch.Tensor] = {}    # layer -> (B, T, D) output projection of the heads (+ bias)
+        self.residual_sum: dict[int, torch.Tensor] = {}   # layer -> (B, T, D) block input + proj_output (norm input)
+        self.norm_output: dict[int, torch.Tensor] = {}    # layer -> (B, T, D) LayerNorm of residual_sum
+        self._last_layer = -1
+        self._block_calls = 0
+        self._need_blocks = internals or bool(self.block_inputs) or stop_block is not None
+        self.parts = layer_parts(model) if internals else None
 
     # called from finish_attention
     def _next_layer(self, module) -> int:
@@ -294,6 +317,17 @@ class Session:
             self.probs[layer] = w
         return w
 
+    def _edit_value(self, layer: int, value: torch.Tensor) -> torch.Tensor:
+        """Zero the value vectors (B, H, T, d) of the positions ``zero_values`` marks (Mohebbi et al. 2023)."""
+        self._last_layer = layer
+        z = self.zero_values
+        if isinstance(z, dict):
+            z = z.get(layer)
+        if z is None:
+            return value
+        keep = (~z.to(torch.bool)).to(value.dtype)  # (B, T)
+        return value * keep[:, None, :, None]
+
     def _after(self, layer: int, w, value, out):
         if self.gates is not None:
             out = out * self.gates[layer].to(out.dtype).view(1, -1, 1, 1)
@@ -307,6 +341,46 @@ class Session:
     def reset(self) -> None:
         """Forget what the last forward captured (called before each :meth:`run`)."""
         self.probs, self.value, self.output, self._calls = {}, {}, {}, {}
+        self.block_input, self.block_output, self.proj_output, self.residual_sum, self.norm_output = {}, {}, {}, {}, {}
+        self._block_calls, self._last_layer = 0, -1
+
+    def _begin(self) -> None:
+        """Start of a model forward: layer counters back to 0."""
+        self._calls.clear()
+        self._block_calls, self._last_layer = 0, -1
+
+    # block hooks (installed by attention() when internals / block_inputs / stop_block are used)
+    def _block_pre(self, module, args, kwargs):
+        layer = self._block_calls
+        x = args[0] if args else kwargs[_hidden_key(kwargs)]
+        if layer in self.block_inputs:
+            x = self.block_inputs[layer].to(dtype=x.dtype, device=x.device)
+            if args:
+                args = (x, *args[1:])
+            else:
+                kwargs = {**kwargs, _hidden_key(kwargs): x}
+        if self.internals:
+            self.block_input[layer] = x
+        return args, kwargs
+
+    def _block_post(self, module, args, kwargs, output):
+        layer = self._block_calls
+        self._block_calls += 1
+        if self.internals or self.stop_block is not None:
+            self.block_output[layer] = output[0] if isinstance(output, (tuple, list)) else output
+        if self.stop_block is not None and layer == self.stop_block:
+            raise StopForward
+
+    def _proj_post(self, module, args, output):
+        l = self._last_layer
+        if l >= 0 and l not in self.proj_output and self.parts[l].proj is module:
+            self.proj_output[l] = output
+
+    def _norm_post(self, module, args, output):
+        l = self._last_layer
+        if l >= 0 and l in self.proj_output and l not in self.residual_sum and self.parts[l].norm is module:
+            self.residual_sum[l] = args[0]
+            self.norm_output[l] = output
 
     def run(self, **inputs):
         """One forward of the model (keys it does not take are dropped); None when stopped early."""
@@ -329,28 +403,167 @@ def _check(i: int, n: int, what: str) -> None:
 @contextmanager
 def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bool = False,
               uniform: dict[int, Iterable[int]] | None = None, gates: torch.Tensor | None = None,
-              values: bool = False, retain_grad: bool = False):
+              values: bool = False, retain_grad: bool = False, internals: bool = False,
+              block_inputs: dict[int, torch.Tensor] | None = None, zero_values=None, stop_block: int | None = None):
     """``with attention(model, layers=[...], stop=True) as s: s.run(**batch); s.probs[l]`` (B, H, T, T).
 
     layers: 0-based layers to capture (None: all; [] none). stop: end the forward after the last of
     them. uniform: {layer: heads} attending uniformly to the keys they may see. gates: (L, H) factors on
     each head's output. values: keep per-head values (B, H, T, d) and outputs (B, T, H, d).
     retain_grad: keep ``.grad`` of the captured probabilities after ``backward()``.
+
+    Block internals (any family; the parts are found by :func:`layer_parts`):
+    internals: keep per layer ``block_input``, ``block_output``, ``proj_output`` (the heads' output
+    projection, bias included), ``residual_sum`` (block input + proj_output, the input of the LayerNorm
+    that follows) and ``norm_output``, each (B, T, D); ``s.parts[l]`` names the modules.
+    block_inputs: {layer: (B, T, D)} hidden states that replace the input of that block (the blocks
+    below still run; their output is discarded). zero_values: (B, T) bool, or {layer: (B, T) bool}:
+    the value vectors of the marked positions are zero in every head (value zeroing). stop_block: end
+    the forward right after that block.
     """
-    session = Session(model, layers, stop, uniform, gates, values, retain_grad)
+    session = Session(model, layers, stop, uniform, gates, values, retain_grad, internals, block_inputs,
+                      zero_values, stop_block)
     keys = {id(m) for m in session.sites}
     clash = keys & _ACTIVE.keys()
     if clash:
         raise RuntimeError("another attention session is active on this model")
     for k in keys:
         _ACTIVE[k] = session
-    pre = model.register_forward_pre_hook(lambda *_: session._calls.clear())
+    handles = [model.register_forward_pre_hook(lambda *_: session._begin())]
+    if session._need_blocks:
+        for m in dict.fromkeys(blocks(model)):
+            handles.append(m.register_forward_pre_hook(session._block_pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(session._block_post, with_kwargs=True))
+    if internals:
+        for m in dict.fromkeys(p.proj for p in session.parts):  # shared layers (ALBERT): one hook per module
+            handles.append(m.register_forward_hook(session._proj_post))
+        for m in dict.fromkeys(p.norm for p in session.parts):
+            handles.append(m.register_forward_hook(session._norm_post))
     try:
         yield session
     finally:
-        pre.remove()
+        for h in handles:
+            h.remove()
         for k in keys:
             _ACTIVE.pop(k, None)
+
+
+# ----------------------------------------------------------------------------- block internals
+def _hidden_key(kwargs: dict) -> str:
+    return next(k for k in ("hidden_states", "hidden_state", "x") if k in kwargs)
+
+
+def _is_layer_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm) or (type(m).__name__.endswith("LayerNorm") and hasattr(m, "weight"))
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """The epsilon of a LayerNorm module (``eps`` or ``variance_epsilon``)."""
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if eps is None:
+        raise ValueError(f"{type(norm).__name__}: no eps / variance_epsilon attribute")
+    return float(eps)
+
+
+class LayerParts:
+    """The modules of one layer's attention sub-layer that the decompositions need (see :func:`layer_parts`).
+
+    proj: the output projection applied to the concatenated head outputs (``nn.Linear``, H*d -> D);
+    norm: the first LayerNorm called after it, whose input is the residual sum (block input + proj);
+    post_ln: True when the block is post-LN (BERT: the sub-layer's output is ``norm(sum)``), False when
+    it is pre-LN (ModernBERT: the residual stream carries the sum itself; ``norm`` normalises the
+    feed-forward input)."""
+
+    def __init__(self, proj: nn.Module, norm: nn.Module, post_ln: bool):
+        self.proj, self.norm, self.post_ln = proj, norm, post_ln
+
+    def __repr__(self) -> str:
+        return f"LayerParts(proj={type(self.proj).__name__}, norm={type(self.norm).__name__}, post_ln={self.post_ln})"
+
+
+_PARTS: "weakref.WeakKeyDictionary[nn.Module, list[LayerParts]]" = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def layer_parts(model: nn.Module) -> list[LayerParts]:
+    """Per layer, the output projection and LayerNorm of its attention sub-layer, found once per model
+    by call order in one forward (any family, shared layers included):
+
+    * proj: the first ``nn.Linear`` called after the layer's attention function returns;
+    * norm: the first LayerNorm called after proj; its input must equal block input + proj output
+      (the residual connection), checked here;
+    * post_ln: the block's output is the output of the last LayerNorm it calls.
+
+    Raises ValueError naming the layer when the model does not have this shape (then the
+    decomposition-based measures cannot be defined for it)."""
+    if model in _PARTS:
+        return _PARTS[model]
+    global _DISCOVER
+    sites = attention_sites(model)
+    L = len(sites)
+    mods = blocks(model)
+    events: list = []
+    handles = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(lambda mod, a, o: events.append(("linear", mod, o))))
+        elif _is_layer_norm(m):
+            handles.append(m.register_forward_hook(lambda mod, a, o: events.append(("norm", mod, a[0], o))))
+    for m in dict.fromkeys(mods):
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, a, k: events.append(("block_in", a[0] if a else k[_hidden_key(k)])), with_kwargs=True))
+        handles.append(m.register_forward_hook(
+            lambda mod, a, k, o: events.append(("block_out", o[0] if isinstance(o, (tuple, list)) else o)),
+            with_kwargs=True))
+    device = next(model.parameters()).device
+    vocab = int(getattr(model.config, "vocab_size", 100))
+    ids = (torch.arange(7, device=device).unsqueeze(0) * 7 + 5) % vocab  # (1, 7) arbitrary real tokens
+    _DISCOVER = events  # finish_attention appends each attention module as it is called
+    was_training = model.training
+    model.eval()  # no dropout between the projection and the residual sum
+    try:
+        with torch.autocast(device.type, enabled=False):  # exact residual check even inside mixed precision
+            model(**model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids)))
+    finally:
+        model.train(was_training)
+        _DISCOVER = None
+        for h in handles:
+            h.remove()
+    layer, state, block = -1, None, -1
+    proj, proj_out, norm, norm_in = [None] * L, [None] * L, [None] * L, [None] * L
+    block_in, post = [None] * L, [None] * L
+    last_norm_out = None
+    for e in events:
+        if isinstance(e, nn.Module):
+            layer, state = layer + 1, "proj"
+        elif e[0] == "block_in":
+            block, last_norm_out = block + 1, None
+            if block < L:
+                block_in[block] = e[1]
+        elif e[0] == "block_out":
+            if 0 <= block < L:
+                post[block] = last_norm_out is not None and last_norm_out.shape == e[1].shape \
+                    and torch.equal(last_norm_out, e[1])
+        elif e[0] == "linear" and state == "proj" and 0 <= layer < L:
+            proj[layer], proj_out[layer], state = e[1], e[2], "norm"
+        elif e[0] == "norm":
+            last_norm_out = e[3]
+            if state == "norm" and 0 <= layer < L:
+                norm[layer], norm_in[layer], state = e[1], e[2], None
+    name = type(model).__name__
+    parts = []
+    for l in range(L):
+        if proj[l] is None or norm[l] is None or block_in[l] is None or post[l] is None:
+            raise ValueError(f"{name}: layer {l}: no output projection / LayerNorm after the attention function or "
+                             "no transformer block found; residual/LayerNorm decompositions (norm_res_ln, alti) "
+                             "are not defined for this model")
+        if not torch.allclose(norm_in[l], block_in[l] + proj_out[l], atol=1e-4, rtol=1e-3):
+            raise ValueError(f"{name}: layer {l}: the input of {type(norm[l]).__name__} is not block input + output "
+                             "projection (no plain residual connection around attention); residual/LayerNorm "
+                             "decompositions (norm_res_ln, alti) are not defined for this model")
+        parts.append(LayerParts(proj[l], norm[l], bool(post[l])))
+    _PARTS[model] = parts
+    return parts
 
 
 @torch.inference_mode()

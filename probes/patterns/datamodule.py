@@ -5,6 +5,10 @@ shuffled with ``seed`` and cut into ``fractions`` (default 60/20/20 train/val/te
 share of a class is rounded, and a class with at least 3 maps gets at least one map in val and in
 test (the 4 ``block`` maps: 2 / 1 / 1). The three id sets are disjoint and cover every labelled map.
 
+Cross-validation (``folds=k``, ``fold=i``; :mod:`probes.patterns.crossval`): test = fold i of
+:func:`probes.patterns.crossval.stratified_folds` (seeded with ``seed``), train = the other folds, no
+validation split. ``fractions: [1, 0, 0]`` puts every map in train (the released checkpoint).
+
 Augmentation (train only, ``augment: true``): with probability 0.5 the token order is reversed
 (``A[::-1, ::-1]``). That keeps every pattern type: a column stays a column, the main diagonal
 stays the main diagonal, the previous-token diagonal becomes the next-token one, blocks stay
@@ -25,7 +29,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from probes.patterns.components.cnn import CLASSES, check_map, preprocess
+from probes.patterns.components.cnn import CLASSES, check_map, preprocess, preprocess_many
 
 log = logging.getLogger(__name__)
 
@@ -84,31 +88,35 @@ def stratified_split(labels: dict[str, str], fractions: Sequence[float] = (0.6, 
 
 
 class _MapDataset(Dataset):
-    def __init__(self, x: list[torch.Tensor], y: list[int], index: list[int], raw: list[np.ndarray] | None,
-                 prep):
-        self.x, self.y, self.index, self.raw, self.prep = x, y, index, raw, prep
+    """``x``: preprocessed maps (C, size, size); ``x_rev`` (train with augmentation): the same maps with the
+    token order reversed, preprocessed once up front (the map is drawn reversed with p = 0.5)."""
+
+    def __init__(self, x: list[torch.Tensor], y: list[int], index: list[int], x_rev: list[torch.Tensor] | None):
+        self.x, self.y, self.index, self.x_rev = x, y, index, x_rev
 
     def __len__(self):
         return len(self.y)
 
     def __getitem__(self, i):
-        if self.raw is not None and random.random() < 0.5:   # augmentation: reversed token order
-            x = self.prep(np.ascontiguousarray(self.raw[i][::-1, ::-1]))[0]
-        else:
-            x = self.x[i]
-        return x, self.y[i], self.index[i]
+        if self.x_rev is not None and random.random() < 0.5:   # augmentation: reversed token order
+            return self.x_rev[i], self.y[i], self.index[i]
+        return self.x[i], self.y[i], self.index[i]
 
 
 class PatternDataModule(pl.LightningDataModule):
     def __init__(self, data_dir: str, classes: Sequence[str] = CLASSES, size: int = 32, resize: str = "area",
                  channels: Sequence[str] = ("max",), fractions: Sequence[float] = (0.6, 0.2, 0.2), seed: int = 0,
-                 batch_size: int = 32, augment: bool = True, num_workers: int = 0):
+                 batch_size: int = 32, augment: bool = True, num_workers: int = 0, folds: int | None = None,
+                 fold: int = 0):
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
         self.classes = tuple(classes)
         self.size, self.resize, self.channels = int(size), resize, tuple(channels)
         self.fractions, self.seed = tuple(fractions), int(seed)
         self.batch_size, self.augment, self.num_workers = int(batch_size), bool(augment), int(num_workers)
+        self.folds, self.fold = (None if folds is None else int(folds)), int(fold)
+        if self.folds is not None and not 0 <= self.fold < self.folds:
+            raise ValueError(f"fold must be in 0..{self.folds - 1}, got {self.fold}")
         self.ids: list[str] | None = None
         self.split_ids: dict[str, list[str]] = {}
         self.datasets: dict[str, _MapDataset] = {}
@@ -130,16 +138,26 @@ class PatternDataModule(pl.LightningDataModule):
         unknown = sorted(set(labels.values()) - set(self.classes))
         if unknown:
             raise ValueError(f"{self.data_dir / 'labels.json'}: labels {unknown} not in classes {list(self.classes)}")
-        self.split_ids = stratified_split(labels, self.fractions, self.seed)
+        if self.folds is None:
+            self.split_ids = stratified_split(labels, self.fractions, self.seed)
+        else:
+            from probes.patterns.crossval import stratified_folds
+
+            parts = stratified_folds(labels, self.folds, self.seed)
+            test = parts[self.fold]
+            train = sorted((k for j, f in enumerate(parts) if j != self.fold for k in f), key=_id_key)
+            self.split_ids = {"train": train, "val": [], "test": test}
         self.ids = [k for s in SPLITS for k in self.split_ids[s]]
         pos = {k: i for i, k in enumerate(self.ids)}
         cls = {c: i for i, c in enumerate(self.classes)}
         for s in SPLITS:
             ids = self.split_ids[s]
-            x = [self._prep(maps[k])[0] for k in ids]
+            x = list(preprocess_many([maps[k] for k in ids], self.size, self.resize, self.channels))
             y = [cls[labels[k]] for k in ids]
-            raw = [maps[k] for k in ids] if (s == "train" and self.augment) else None
-            self.datasets[s] = _MapDataset(x, y, [pos[k] for k in ids], raw, self._prep)
+            x_rev = (list(preprocess_many([np.ascontiguousarray(maps[k][::-1, ::-1]) for k in ids], self.size,
+                                          self.resize, self.channels))
+                     if (s == "train" and self.augment) else None)
+            self.datasets[s] = _MapDataset(x, y, [pos[k] for k in ids], x_rev)
         counts = Counter(labels[k] for k in self.split_ids["train"])
         self.train_class_counts = [counts.get(c, 0) for c in self.classes]
         log.info("attention patterns: %s", {s: dict(Counter(labels[k] for k in self.split_ids[s])) for s in SPLITS})

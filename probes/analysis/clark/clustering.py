@@ -15,6 +15,10 @@ names the head (``prev``/``next``/``cls``/``sep``/``punct``) when it is at least
 ``behaviour_threshold`` (default 0.5); otherwise the head is ``broad`` when its mean entropy is at
 least ``broad_fraction`` (default 0.75) of the uniform-attention entropy (mean log T); else ``other``.
 
+Map kinds: ``extract.maps=<kind>`` clusters that kind's wordpiece maps instead (computed live, rows
+normalised to sum 1 so that JS divergence and entropy apply to non-probability kinds such as ``norm``);
+per-layer kinds give one point per layer.
+
 Files use 0-based layer/head; figures label heads with the paper's 1-based ``layer-head`` names.
 Outputs: ``js_distances.csv`` (layer_a, head_a, layer_b, head_b, js, js_per_token; all ordered
 pairs incl. a == b), ``head_embedding.csv`` (layer, head, name, x, y, behaviour, and the statistics),
@@ -34,7 +38,9 @@ import torch
 from probes.analysis.clark.head_stats import wordpiece_attention
 from probes.analysis.clark.metrics import HeadStatsAccumulator
 from probes.analysis.naming import head_name
+from probes.analysis.clark.metrics import punct_positions
 from probes.analysis.stats import js_divergence_matrix
+from probes.measures import from_config
 
 log = logging.getLogger(__name__)
 
@@ -99,21 +105,46 @@ def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
     return fig
 
 
+def wordpiece_maps(enc, measure, words, device: str, max_tokens: int, max_batch_size: int):
+    """Like :func:`~probes.analysis.clark.head_stats.wordpiece_attention` for any map kind: yield ``(index,
+    maps (L, H', T, T) with rows normalised to sum 1, punct (T,))``; sentences longer than the encoder's
+    (or the measure's) maximum are skipped."""
+    from probes.measures import iter_maps
+    from probes.model.families import is_byte_level
+    from probes.model.inputs import encode_words
+
+    tok = enc.tokenizer
+    encoded = encode_words(tok, [list(w) for w in words])
+    limit = min(enc.max_length, measure.max_pieces or enc.max_length)
+    keep = [i for i, e in enumerate(encoded) if e.n_pieces <= limit]
+    if len(keep) < len(encoded):
+        log.warning("%d of %d sentences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
+                    len(encoded), limit)
+    items, byte_level = [encoded[i] for i in keep], is_byte_level(tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    for k, m in iter_maps(measure, enc.model, items, pad, device, max_tokens, max_batch_size, desc="clustering"):
+        m = m.float()
+        yield keep[k], m / m.sum(-1, keepdim=True).clamp(min=1e-12), punct_positions(tok, items[k].input_ids, byte_level)
+
+
 def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max_tokens: int = 4096,
                max_batch_size: int = 64, behaviour_threshold: float = 0.5, broad_fraction: float = 0.75,
                mds_n_init: int = 4, mds_max_iter: int = 300) -> pd.DataFrame:
     """Compute JS distances between all heads, embed them, save tables and plots; returns the embedding."""
     t0 = time.time()
     enc = ctx.encoder
-    L, H = enc.num_layers, enc.num_heads
+    kind, measure = from_config(ctx.cfg.extract)
+    L, H = enc.num_layers, measure.heads(enc.num_heads)
     K = L * H
     sentences = ctx.sentences(split, max_sentences)
     total = torch.zeros(K, K, dtype=torch.float64)  # (K, K) JS divergences in bits, summed over tokens
     stats_acc = HeadStatsAccumulator()
     n_tokens = 0
-    for _, attn, punct in wordpiece_attention(enc, [s.words for s in sentences], device=ctx.device,
-                                              max_tokens=max_tokens, max_batch_size=max_batch_size,
-                                              desc="clustering"):
+    words = [s.words for s in sentences]
+    maps = wordpiece_attention(enc, words, device=ctx.device, max_tokens=max_tokens, max_batch_size=max_batch_size,
+                               desc="clustering") if kind == "attention" else \
+        wordpiece_maps(enc, measure, words, ctx.device, max_tokens, max_batch_size)
+    for _, attn, punct in maps:
         T = attn.shape[-1]  # attn (L, H, T, T)
         total += js_divergence_matrix(attn.reshape(K, T, T)).cpu()
         stats_acc.add(attn, punct)
@@ -142,7 +173,7 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max
     off_diag = ~np.eye(K, dtype=bool)
     nn = np.where(off_diag, dist, np.inf).argmin(1)
     ctx.log_summary(dict(
-        analysis="clustering", split=split, encoder=enc.name, level="wordpiece", js_unit="bits",
+        analysis="clustering", split=split, encoder=enc.name, maps=kind, level="wordpiece", js_unit="bits",
         n_sentences=stats_acc.n, n_skipped=len(sentences) - stats_acc.n, n_tokens=n_tokens, mds_stress=stress,
         mds_stress1=kruskal_stress(dist, coords),
         mean_js_per_token_same_layer=float(dist[same & off_diag].mean() / max(n_tokens, 1)) if L * H > L else None,

@@ -32,6 +32,9 @@ head of one of the mention's antecedents):
   in person, number and gender/animacy where both are known (pronoun lexicon, UD ``Number`` of the
   head, GUM entity type: ``person`` is animate, other types except ``animal`` inanimate), (4) nearest.
 
+Map kinds: ``extract.maps=<kind>`` scores that kind's maps (cached under their own key; per-layer kinds
+have head 0 only); a kind with a length bound (flow) makes segments no longer than it.
+
 Outputs: ``coref_heads.csv`` (layer, head, mention_type, accuracy, count; 0-based),
 ``coref_table.csv`` (Table 2: one row per method - the best head overall and its 1-based name, the
 best head of each mention type, the three baselines - columns all/pronoun/proper/nominal and the
@@ -54,6 +57,7 @@ from tqdm import tqdm
 
 from probes.analysis.naming import head_name
 from probes.data.coref import CorefDocument, Mention, pronoun_features
+from probes.measures import from_config
 
 log = logging.getLogger(__name__)
 
@@ -359,6 +363,9 @@ def coref_cache(ctx, docs, segments, dataset: str, split: str, digest: str, max_
                dataset=f"{dataset}-coref-segments", split=split, data_sha256=digest, max_documents=max_documents,
                segmentation=f"greedy-whole-sentences-v{SEGMENT_FORMAT}", max_length=max_length,
                from_words=cfg["from_words"], to_words=cfg["to_words"], precision=precision, storage="float16")
+    kind = cfg.get("maps", "attention")
+    if kind != "attention":  # map kind (extract.maps) and its options; attention keeps the key it always had
+        key["maps"] = dict(kind=kind, **cfg["measures"][kind])
     trainer = instantiate(trainer_cfg, precision=precision, _partial_=True)
     return extract(enc, words, key, ctx.cfg.paths.cache_dir, trainer, **cfg)
 
@@ -373,7 +380,10 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
     t0 = time.time()
     docs, dataset, split, digest = load_documents(ctx, gum, source, split, max_documents, ontogum_dir, litbank_dir)
     enc = ctx.encoder
+    kind, measure = from_config(ctx.cfg.extract)
     max_length = int(max_length or enc.max_length)
+    if measure.max_pieces:  # e.g. flow: segments no longer than the measure accepts
+        max_length = min(max_length, measure.max_pieces)
     pieces = sentence_pieces(enc.tokenizer, docs)
     segments, n_long = [], 0
     for i, d in enumerate(docs):
@@ -397,7 +407,7 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
     ctx.save_figure(figure(acc, table), "coref_heads")
     n_coref = sum(len(d.mentions) for d in docs)
     ctx.log_summary(dict(
-        analysis="coref_heads", source=source, dataset=dataset, split=split, encoder=enc.name,
+        analysis="coref_heads", source=source, dataset=dataset, split=split, encoder=enc.name, maps=kind,
         n_documents=len(docs), n_segments=len(segments), max_length=max_length, n_long_sentences=n_long,
         n_coreferent_mentions=n_coref, counts=dict(acc.count), cache=str(cache.path),
         seconds=round(time.time() - t0, 1),

@@ -35,6 +35,10 @@ UD v2 vs the paper's Stanford Dependencies (the paper used the PTB WSJ converted
 
 The same mapping is written to ``relation_map.csv``.
 
+Map kinds: ``extract.maps=<kind>`` (README "Beyond attention weights") scores the maps of that kind from
+the same cache the same way: a per-head kind has a "best head", a per-layer kind (rollout, flow,
+norm_res_ln, alti, value_zeroing) has one map per layer (``head`` is always 0, named ``<layer>-1``).
+
 Outputs: ``dep_heads.csv`` (relation, layer, head, direction, accuracy, count; 0-based),
 ``dep_offsets.csv`` (relation, offset, accuracy, count), ``dep_table.csv`` (per relation: count,
 best head as layer/head + 1-based name, direction, accuracy, best offset, its accuracy, difference),
@@ -164,7 +168,8 @@ def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_
     ctx.save_figure(bar_figure(table), "dep_table")
     report = table[table.relation.isin(["all", *report_relations])] if report_relations else table
     ctx.log_summary(dict(
-        analysis="dep_heads", split=split, encoder=ctx.encoder.name, n_sentences=acc.n_sentences,
+        analysis="dep_heads", split=split, encoder=ctx.encoder.name, maps=cache.manifest.get("maps", "attention"),
+        heads_per_layer=cache.num_heads, n_sentences=acc.n_sentences,
         n_skipped=len(sentences) - acc.n_sentences, cache=str(cache.path), seconds=round(time.time() - t0, 1),
         table={r.relation: dict(count=int(r["count"]), name=r["name"], direction=r.direction,
                                 accuracy=round(r.accuracy, 4), best_offset=int(r.best_offset),

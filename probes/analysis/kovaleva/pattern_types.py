@@ -9,12 +9,25 @@ tokenizer, :func:`probes.model.inputs.encode_texts`); every head's full wordpiec
 ``encoder``, and for the fine-tuned model ``checkpoint`` when given (a GLUE run folder, its
 ``hf_model`` folder or a ``.ckpt``; ``{task: path}`` for several tasks; same vocabulary as ``encoder``).
 
-Shares are over all (example, layer, head) maps: share(pattern) = #maps of that type / #maps.
+Shares are over all (example, layer, head) maps: share(pattern) = #maps of that type / #maps (``share``,
+the classifier's raw output). **Corrected shares** (``corrected``): the classifier errs, and its errors are
+measured by the stratified cross-validation of ``python -m probes.patterns crossval`` (``confusion``: its
+``confusion.csv`` or report folder; rows = gold, columns = predicted). With C[i, j] = P(predicted j | gold i)
+(rows of the classes with at least ``min_support`` labelled maps; block, with 4, cannot be estimated and
+is assumed absent), the observed shares q satisfy q = C^T p; p is the solution on the simplex
+(non-negative least squares with the sum-to-one row weighted by 1000, then renormalised;
+:func:`correct_shares`). Intervals (95%, percentile bootstrap, ``n_boot``): examples of the task are
+resampled (with their 72 maps) AND the cross-validation predictions are resampled (so C varies), the
+correction re-solved each time. A pre-trained vs fine-tuned **shift** of a pattern is the difference of
+the two corrected shares on the same resampled examples and matrices; it is called a shift
+(``shift=True`` in ``pattern_types_shift.csv``) only when its interval excludes 0.
 
-Outputs: ``pattern_types.csv`` (task, model, pattern, count, share, n_examples), ``pattern_types_by_layer.csv``
+Outputs: ``pattern_types.csv`` (task, model, pattern, count, share, share_lo/hi, corrected,
+corrected_lo/hi, n_examples), ``pattern_types_shift.csv`` (task, pattern, diff, lo, hi, shift),
+``pattern_types_raw.png`` (stacked raw shares), ``pattern_types_by_layer.csv``
 (task, model, layer (0-based), pattern, count, share), ``pattern_types_by_head.csv`` (task, model,
-layer, head, name (1-based), pattern, share), ``pattern_types.png`` (stacked bars, one per task x
-model, Figure 2), ``pattern_types_by_layer.png`` (stacked bars per layer), ``summary.json``.
+layer, head, name (1-based), pattern, share), ``pattern_types.png`` (corrected shares with intervals per
+task and model, Figure 2), ``pattern_types_by_layer.png`` (raw stacked bars per layer), ``summary.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from probes.analysis.kovaleva.common import FINETUNED, checkpoint_for, variants
+from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
 from probes.data.glue import read_glue, task_spec
 from probes.model.hooks import iter_attention
@@ -52,19 +65,93 @@ def encode_glue(tokenizer, examples, min_length: int = 0, max_length: int | None
 
 
 def classify_heads(classifier, model, items: list[Encoded], device: str = "cpu", max_tokens: int = 4096,
-                   progress: bool = True, desc: str = "pattern_types", pad_id: int = 0) -> np.ndarray:
-    """(L, H, n_classes) counts: how many examples' maps of each head fall in each class."""
-    counts = None
-    for _, attn in iter_attention(model, items, pad_id, device=device, max_tokens=max_tokens, desc=desc,
+                   progress: bool = True, desc: str = "pattern_types", pad_id: int = 0,
+                   per_example: bool = False):
+    """(L, H, n_classes) counts: how many examples' maps of each head fall in each class; with
+    ``per_example`` also the (N, n_classes) counts of every example (in ``items`` order)."""
+    counts, ex = None, np.zeros((len(items), len(classifier.classes)), dtype=np.int64)
+    for k, attn in iter_attention(model, items, pad_id, device=device, max_tokens=max_tokens, desc=desc,
                                   progress=progress):
         L, H, T, _ = attn.shape  # (L, H, T, T)
         pred = classifier.predict_maps(list(attn.reshape(L * H, T, T).cpu().numpy())).reshape(L, H)
         if counts is None:
             counts = np.zeros((L, H, len(classifier.classes)), dtype=np.int64)
         np.add.at(counts, (np.arange(L)[:, None], np.arange(H)[None, :], pred), 1)
+        ex[k] = np.bincount(pred.ravel(), minlength=len(classifier.classes))
     if counts is None:
         raise ValueError("no example to classify (all filtered by length?)")
-    return counts
+    return (counts, ex) if per_example else counts
+
+
+def read_confusion(path, classes) -> np.ndarray:
+    """(C, C) counts (rows = gold, columns = predicted) from ``crossval``'s confusion.csv (or its folder)."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "confusion.csv"
+    if not p.is_file():
+        raise FileNotFoundError(f"confusion matrix not found: {p} (run `python -m probes.patterns crossval "
+                                f"--out DIR` and set analysis.confusion=DIR)")
+    df = pd.read_csv(p).set_index("gold")
+    missing = [c for c in classes if c not in df.index or c not in df.columns]
+    if missing:
+        raise ValueError(f"{p}: classes {missing} missing (expected rows and columns {list(classes)})")
+    return df.loc[list(classes), list(classes)].to_numpy(dtype=np.float64)
+
+
+def read_cv_predictions(path, classes) -> tuple[np.ndarray, np.ndarray] | None:
+    """(gold, predicted) class indices of ``crossval``'s predictions.csv next to confusion.csv, or None."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    p = (p if p.is_dir() else p.parent) / "predictions.csv"
+    if not p.is_file():
+        return None
+    df = pd.read_csv(p, dtype={"id": str})
+    idx = {c: i for i, c in enumerate(classes)}
+    return df.gold.map(idx).to_numpy(), df.predicted.map(idx).to_numpy()
+
+
+def correct_shares(observed: np.ndarray, confusion: np.ndarray, estimable: np.ndarray) -> np.ndarray:
+    """Shares p on the simplex with ``confusion_rows^T p ~= observed``: rows of the ``estimable`` gold classes
+    (row-normalised counts, columns = all predicted classes); other classes get 0. NNLS with a heavily
+    weighted sum-to-one row, then renormalised."""
+    from scipy.optimize import nnls
+
+    C = confusion[estimable] / np.maximum(confusion[estimable].sum(1, keepdims=True), 1e-12)  # (K, C)
+    lam = 1e3
+    A = np.vstack([C.T, lam * np.ones((1, C.shape[0]))])  # (C + 1, K)
+    b = np.concatenate([observed, [lam]])
+    x, _ = nnls(A, b)
+    x = x / max(x.sum(), 1e-12)
+    out = np.zeros(len(observed))
+    out[estimable] = x
+    return out
+
+
+def bootstrap_shares(per_example: dict[str, np.ndarray], confusion: np.ndarray | None, cv, estimable,
+                     n_boot: int = 1000, seed: int = 0) -> dict[str, np.ndarray]:
+    """{variant: (n_boot, 2, C)} raw and corrected shares over resampled examples (the same resample for
+    every variant: they share the examples) and, when ``cv`` (gold, predicted) is given, resampled
+    cross-validation predictions (the same confusion matrix for every variant of a replicate)."""
+    rng = np.random.default_rng(seed)
+    n = len(next(iter(per_example.values())))
+    C = len(estimable)
+    out = {v: np.zeros((n_boot, 2, C)) for v in per_example}
+    for b in range(n_boot):
+        i = rng.integers(0, n, n)
+        conf = confusion
+        if cv is not None:
+            j = rng.integers(0, len(cv[0]), len(cv[0]))
+            conf = np.zeros((C, C))
+            np.add.at(conf, (cv[0][j], cv[1][j]), 1)
+        for v, ex in per_example.items():
+            c = ex[i].sum(0).astype(np.float64)
+            q = c / c.sum()
+            out[v][b, 0] = q
+            out[v][b, 1] = correct_shares(q, conf, estimable) if conf is not None else np.nan
+    return out
 
 
 def tables(results: dict[tuple[str, str], np.ndarray], classes, n_examples: dict) -> tuple[pd.DataFrame, ...]:
@@ -128,10 +215,12 @@ def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
 
 
 def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: str = "dev",
-                  max_examples: int | None = 200, min_length: int = 12, max_length: int | None = 64,
-                  max_tokens: int = 4096) -> pd.DataFrame:
+                  max_examples: int | None = 1000, min_length: int = 12, max_length: int | None = 64,
+                  max_tokens: int = 4096, confusion=None, min_support: int = 5, n_boot: int = 1000,
+                  seed: int = 0) -> pd.DataFrame:
     """``classifier``: the pattern CNN (.ckpt of ``experiment=patterns`` or its run folder);
-    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path})."""
+    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path}); ``confusion``: the CNN's
+    cross-validation report (folder or confusion.csv of ``python -m probes.patterns crossval``)."""
     from probes.patterns.module import load_classifier
 
     if classifier is None:
@@ -141,32 +230,102 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: 
     device = ctx.device
     cnn_path = classifier
     classifier = load_classifier(cnn_path, device)
+    classes = list(classifier.classes)
+    conf = cv = None
+    if confusion is not None:
+        conf = read_confusion(confusion, classes)
+        cv = read_cv_predictions(confusion, classes)
+    else:
+        log.warning("pattern_types: no analysis.confusion given: shares are NOT corrected for the classifier's errors")
+    estimable = (conf.sum(1) >= min_support) if conf is not None else np.ones(len(classes), bool)
     tasks = [task] if isinstance(task, str) else list(task)
-    results, n_examples, summary = {}, {}, {}
+    results, n_examples, summary, rows, shifts = {}, {}, {}, [], []
     for t in tasks:
         spec = task_spec(t)
         examples = read_glue(spec.name, split, ctx.cfg.paths.data_dir)
         tuned = checkpoint_for(checkpoint, spec.name)
+        per_example = {}
         for variant, (model, tok) in variants(ctx, tuned, spec.name).items():
             items, skipped = encode_glue(tok, examples, min_length, max_length)
             items = items[:max_examples]
             n_examples[spec.name] = len(items)
             log.info("pattern_types %s %s: %d examples (%d outside %s..%s wordpieces)", spec.name, variant,
                      len(items), skipped, min_length, max_length)
-            c = classify_heads(classifier, model, items, device, max_tokens, desc=f"{spec.name} {variant}",
-                               pad_id=tok.pad_token_id or 0)
+            c, ex = classify_heads(classifier, model, items, device, max_tokens, desc=f"{spec.name} {variant}",
+                                   pad_id=tok.pad_token_id or 0, per_example=True)
             results[(spec.name, variant)] = c
-            share = c.sum((0, 1)) / c.sum()
-            summary[f"{spec.name}/{variant}"] = dict(
-                n_examples=len(items), n_skipped_length=skipped, n_maps=int(c.sum()),
-                shares={p: round(float(s), 4) for p, s in zip(classifier.classes, share)},
-                checkpoint=tuned if variant == FINETUNED else None)
-    overall, by_layer, by_head = tables(results, classifier.classes, n_examples)
+            per_example[variant] = ex
+            summary[f"{spec.name}/{variant}"] = dict(n_examples=len(items), n_skipped_length=skipped,
+                                                     n_maps=int(c.sum()),
+                                                     checkpoint=tuned if variant == FINETUNED else None)
+        boot = bootstrap_shares(per_example, conf, cv, estimable, n_boot, seed)
+        for variant, ex in per_example.items():
+            q = ex.sum(0) / ex.sum()
+            p = correct_shares(q, conf, estimable) if conf is not None else np.full(len(classes), np.nan)
+            lo, hi = np.percentile(boot[variant], [2.5, 97.5], axis=0)  # (2, C) each
+            for k, name in enumerate(classes):
+                rows.append(dict(task=spec.name, model=variant, pattern=name, count=int(ex[:, k].sum()),
+                                 share=float(q[k]), share_lo=float(lo[0, k]), share_hi=float(hi[0, k]),
+                                 corrected=float(p[k]) if estimable[k] else np.nan,
+                                 corrected_lo=float(lo[1, k]) if estimable[k] else np.nan,
+                                 corrected_hi=float(hi[1, k]) if estimable[k] else np.nan,
+                                 n_examples=len(ex)))
+            summary[f"{spec.name}/{variant}"].update(
+                shares={n: round(float(v), 4) for n, v in zip(classes, q)},
+                corrected={n: (round(float(v), 4) if e else None) for n, v, e in zip(classes, p, estimable)})
+        if FINETUNED in per_example:
+            d = boot[FINETUNED][:, 1] - boot[PRETRAINED][:, 1]  # (n_boot, C)
+            point = [r["corrected"] for r in rows if r["task"] == spec.name and r["model"] == FINETUNED]
+            base = [r["corrected"] for r in rows if r["task"] == spec.name and r["model"] == PRETRAINED]
+            lo, hi = np.percentile(d, [2.5, 97.5], axis=0)
+            for k, name in enumerate(classes):
+                if not estimable[k] or conf is None:
+                    continue
+                shifts.append(dict(task=spec.name, pattern=name, pretrained=base[k], finetuned=point[k],
+                                   diff=point[k] - base[k], lo=float(lo[k]), hi=float(hi[k]),
+                                   shift=bool(lo[k] > 0 or hi[k] < 0)))
+    overall = pd.DataFrame(rows)
+    _, by_layer, by_head = tables(results, classes, n_examples)
     ctx.save_table(overall, "pattern_types")
+    ctx.save_table(pd.DataFrame(shifts, columns=["task", "pattern", "pretrained", "finetuned", "diff", "lo", "hi",
+                                                 "shift"]), "pattern_types_shift")
     ctx.save_table(by_layer, "pattern_types_by_layer")
     ctx.save_table(by_head, "pattern_types_by_head")
-    ctx.save_figure(stacked_bars(overall, classifier.classes), "pattern_types")
-    ctx.save_figure(stacked_bars(by_layer, classifier.classes, by_layer=True), "pattern_types_by_layer")
+    ctx.save_figure(share_bars(overall, classes), "pattern_types")
+    ctx.save_figure(stacked_bars(overall, classes), "pattern_types_raw")
+    ctx.save_figure(stacked_bars(by_layer, classes, by_layer=True), "pattern_types_by_layer")
     ctx.log_summary(dict(analysis="pattern_types", split=split, encoder=ctx.encoder.name, classifier=str(cnn_path),
+                         confusion=None if confusion is None else str(confusion), n_boot=n_boot,
+                         estimable=[c for c, e in zip(classes, estimable) if e],
+                         shifts=[f"{r['task']}/{r['pattern']}: {r['diff']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]"
+                                 for r in shifts if r["shift"]],
                          results=summary, seconds=round(time.time() - t0, 1)))
     return overall
+
+
+def share_bars(df: pd.DataFrame, classes):
+    """Figure 2: corrected shares (raw where no correction) with 95% intervals, one group per task x model."""
+    import matplotlib.pyplot as plt
+
+    from probes.analysis import plots  # noqa: F401  (Agg backend)
+
+    use = "corrected" if df.corrected.notna().any() else "share"
+    groups = list(dict.fromkeys(zip(df.task, df.model)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(groups) + 2.5), 4))
+    width = 0.8 / len(classes)
+    for k, p in enumerate(classes):
+        d = [df[(df.task == t) & (df.model == m) & (df.pattern == p)].iloc[0] for t, m in groups]
+        v = np.array([r[use] for r in d], dtype=float)
+        lo = np.array([r[f"{use}_lo"] for r in d], dtype=float)
+        hi = np.array([r[f"{use}_hi"] for r in d], dtype=float)
+        x = np.arange(len(groups)) + (k - (len(classes) - 1) / 2) * width
+        ax.bar(x, 100 * np.nan_to_num(v), width, color=COLORS.get(p), label=p)
+        ok = np.isfinite(v)
+        ax.errorbar(x[ok], 100 * v[ok], yerr=100 * np.abs(np.vstack([v - lo, hi - v])[:, ok]), fmt="none",
+                    ecolor="black", elinewidth=0.8, capsize=2)
+    ax.set_xticks(range(len(groups)), [f"{t}\n{m}" for t, m in groups], fontsize=8)
+    ax.set_ylabel(f"{'corrected ' if use == 'corrected' else ''}share of maps (%)")
+    ax.set_title("attention pattern types, all heads (95% intervals)", fontsize=9)
+    ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
+    fig.tight_layout()
+    return fig

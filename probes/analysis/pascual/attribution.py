@@ -33,6 +33,12 @@ null = the whole split), the ``n_shortest`` shortest (in pieces; ties in file or
 ``analysis.n_shortest=30`` is the README's "30 shortest dev sentences" (before the model-layer
 refactor that selection was called ``max_sentences``).
 
+Map kinds (``extract.maps=<kind>``, README "Beyond attention weights"): the attribution is compared with
+that kind's maps instead of the attention rows (rows normalised to sum 1; the patterns' source is named
+after the kind). A per-layer kind (rollout, flow, norm_res_ln, alti, value_zeroing) is compared with the
+mean over heads of the heads' attribution distributions (``head`` = 0 in the files). Kinds with a length
+bound (flow) keep only sentences within it.
+
 Outputs: ``attribution_heads.csv`` (method, layer, head, js, spearman, top1, n), ``attribution_layers.csv``
 (method, layer, means), ``attribution_patterns.csv`` (source, layer, pattern, share),
 ``attribution_layers.png``, ``attribution_patterns.png``, ``summary.json``.
@@ -53,6 +59,7 @@ from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
 from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution,
                                               captum_head_attribution, head_attributions, hidden_and_attention,
                                               ig_baseline)
+from probes.measures import from_config
 from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
@@ -114,6 +121,13 @@ def select_shortest(n_words: list[int], n_pieces: list[int], n_shortest: int | N
     return sorted(ok, key=lambda i: (n_pieces[i], i))[:n_shortest]
 
 
+def kind_maps(measure, model, ids: torch.Tensor) -> np.ndarray:
+    """(L, H', T, T) maps of one sentence (1-D ids) of any kind, rows normalised to sum 1."""
+    with torch.inference_mode():
+        maps = torch.stack(measure(model, ids[None], torch.ones_like(ids)[None]), dim=1)[0].float()  # (L, H', T, T)
+    return (maps / maps.sum(-1, keepdim=True).clamp(min=1e-12)).cpu().numpy()
+
+
 def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_shortest: int | None = 50,
                 min_words: int = 5, methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero",
                 chunk_size: int | None = 256, captum_check: int = 2, num_threads: int | None = None,
@@ -129,20 +143,28 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
                             enc.max_length)
     model = enc.model.to(ctx.device)
     pad_id = enc.tokenizer.pad_token_id if enc.tokenizer.pad_token_id is not None else 0
-    L, H = enc.num_layers, enc.num_heads
+    kind, measure = from_config(ctx.cfg.extract)
+    if measure.max_pieces:  # e.g. flow
+        order = [i for i in order if encoded[i].n_pieces <= measure.max_pieces]
+    L, H = enc.num_layers, measure.heads(enc.num_heads)
     methods = list(methods)
     sums = {m: {k: np.zeros((L, H)) for k in ("js", "spearman", "top1", "n", "n_rho")} for m in methods}
-    pats = {src: np.zeros((L, len(PATTERNS))) for src in ["attention", *methods]}
+    pats = {src: np.zeros((L, len(PATTERNS))) for src in [kind, *methods]}
     rng = random.Random(seed)
     checks = []
     for k, i in enumerate(tqdm(order, desc="attribution", unit="sent", disable=None)):
         ids = torch.tensor(encoded[i].input_ids, device=ctx.device)
-        _, attn = hidden_and_attention(model, ids)
-        attn = attn.cpu().numpy()  # (L, H, T, T)
-        pats["attention"] += pattern_counts(attn)
+        if kind == "attention":
+            _, attn = hidden_and_attention(model, ids)
+            attn = attn.cpu().numpy()  # (L, H, T, T)
+        else:
+            attn = kind_maps(measure, model, ids)  # (L, H', T, T), rows sum to 1
+        pats[kind] += pattern_counts(attn)
         base = ig_baseline(model, ids, baseline, pad_id)  # (T, E)
         for m in methods:
             dist = head_attributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()  # (L, H, T, T)
+            if attn.shape[1] != dist.shape[1]:  # per-layer kind: against the head-mean attribution
+                dist = dist.mean(1, keepdims=True)  # (L, 1, T, T)
             c = compare(dist, attn)
             s = sums[m]
             s["js"] += c["js"].sum(-1)
@@ -153,6 +175,9 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
             pats[m] += pattern_counts(dist)
             if k < captum_check:  # one random target per method and sentence vs captum
                 l, h, p = rng.randrange(L), rng.randrange(H), rng.randrange(len(ids))
+                if H != enc.num_heads:
+                    h = rng.randrange(enc.num_heads)
+                    dist = head_attributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()
                 ref = attribution_distribution(captum_head_attribution(model, ids, l, h, p, m, ig_steps, base))
                 checks.append(dict(method=m, sentence=i, layer=l, head=h, pos=p,
                                    max_abs_diff=float(np.abs(ref.cpu().numpy() - dist[l, h, p]).max())))
@@ -188,7 +213,7 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
     for m, g in layers.groupby("method"):
         trend[m] = {c: float(np.corrcoef(g.layer, g[c])[0, 1]) for c in ("js", "spearman", "top1")}
     ctx.log_summary(dict(
-        analysis="attribution", split=split, encoder=enc.name, model_type=enc.model_type, device=ctx.device,
+        analysis="attribution", maps=kind, split=split, encoder=enc.name, model_type=enc.model_type, device=ctx.device,
         max_sentences=max_sentences, n_shortest=n_shortest, min_words=min_words, n_sentences=len(order),
         mean_pieces=float(np.mean([encoded[i].n_pieces for i in order])) if order else None,
         methods=methods, ig_steps=ig_steps, baseline=baseline, seconds=round(time.time() - t0, 1),

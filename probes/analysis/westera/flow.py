@@ -25,7 +25,8 @@ Sentences: the first ``max_sentences`` of ``split`` in file order (null = all), 
 ``n_sentences`` is set, a seeded random subset of that many of them (the same two parameters as
 ``flow_correlates``).
 
-Correlations: Spearman's rho between G (resp. G*) and A over word pairs, per layer and over all
+Correlations: Spearman's rho and Pearson's r (Westera's ``correlation.py`` uses Pearson over
+wordpiece triples of all layers pooled) between G (resp. G*) and A over word pairs, per layer and over all
 layers pooled (``scope``), for ``pairs=all`` (every pair incl. self pairs and [CLS]/[SEP]) and
 ``pairs=words_no_self`` (real words only, t1 != t2). Westera reports rho = .41 for G vs A (BERT-base).
 Also the mean over sentences of the per-sentence rho (``per_sentence_mean``).
@@ -107,8 +108,9 @@ def pair_rows(sid: int, words: list[str], flow: dict[str, torch.Tensor],
 
 
 def correlations(df: pd.DataFrame, measures=("G", "Gstar"), against: str = "A") -> pd.DataFrame:
-    """Spearman rho of each measure vs ``against`` per layer, all layers pooled, per-sentence mean."""
-    from scipy.stats import spearmanr
+    """Spearman rho (and Pearson r, the measure of Westera's ``correlation.py``) of each measure vs
+    ``against`` per layer, all layers pooled; per-sentence mean of rho."""
+    from scipy.stats import pearsonr, spearmanr
 
     subsets = {"all": df, "words_no_self": df[(~df.special) & (df.t1 != df.t2)]}
     rows = []
@@ -119,8 +121,9 @@ def correlations(df: pd.DataFrame, measures=("G", "Gstar"), against: str = "A") 
             groups = [("all_layers", -1, d), *(("layer", int(l), g) for l, g in d.groupby("layer"))]
             for scope, layer, g in groups:
                 r, p = spearmanr(g[m], g[against]) if len(g) > 2 else (np.nan, np.nan)
+                pr = pearsonr(g[m], g[against])[0] if len(g) > 2 else np.nan
                 rows.append(dict(measure=m, against=against, pairs=pairs, scope=scope, layer=layer,
-                                 rho=float(r), p=float(p), n=len(g)))
+                                 rho=float(r), p=float(p), pearson=float(pr), n=len(g)))
             # mean of per-sentence rho (all layers pooled within the sentence)
             rs = [spearmanr(g[m], g[against])[0] for _, g in d.groupby("sentence") if len(g) > 2]
             rows.append(dict(measure=m, against=against, pairs=pairs, scope="per_sentence_mean", layer=-1,
@@ -207,11 +210,11 @@ def flow(ctx, *, split: str = "dev", max_sentences: int | None = 100, n_sentence
     ctx.save_figure(curve_figure(corr), "flow_layers")
     ctx.save_figure(scatter_figure(df, scatter_points, seed), "flow_scatter")
 
-    def pick(m, pairs, scope):
+    def pick(m, pairs, scope, col="rho"):
         c = corr[(corr.measure == m) & (corr.pairs == pairs) & (corr.scope == scope)]
         if c.empty:
             return None
-        return [round(float(r), 4) for r in c.rho] if scope == "layer" else round(float(c.rho.iloc[0]), 4)
+        return [round(float(r), 4) for r in c[col]] if scope == "layer" else round(float(c[col].iloc[0]), 4)
 
     ctx.log_summary(dict(
         analysis="flow", split=split, encoder=ctx.encoder.name, model_type=ctx.encoder.model_type, level=level,
@@ -224,6 +227,10 @@ def flow(ctx, *, split: str = "dev", max_sentences: int | None = 100, n_sentence
         rho_G_A_per_layer=pick("G", "all", "layer"), rho_Gstar_A_per_layer=pick("Gstar", "all", "layer"),
         rho_G_A_words_per_layer=pick("G", "words_no_self", "layer"),
         rho_Gstar_A_words_per_layer=pick("Gstar", "words_no_self", "layer"),
-        rho_G_A_per_sentence_mean=pick("G", "all", "per_sentence_mean")))
+        rho_G_A_per_sentence_mean=pick("G", "all", "per_sentence_mean"),
+        pearson_G_A_all=pick("G", "all", "all_layers", "pearson"),
+        pearson_Gstar_A_all=pick("Gstar", "all", "all_layers", "pearson"),
+        pearson_G_A_per_layer=pick("G", "all", "layer", "pearson"),
+        pearson_Gstar_A_per_layer=pick("Gstar", "all", "layer", "pearson")))
     log.info("flow: %d sentences in %.1fs", df.sentence.nunique(), seconds)
     return corr

@@ -23,6 +23,20 @@ the indicator, classical SE/t/p (Student t) and cluster-robust (CR1, by sentence
 sentence are not independent), the coefficient in SDs of y (``coef_std``), n pairs, n positives, and
 the raw group means.
 
+``level``: ``piece`` (default; Westera's level: the flow matrices are wordpiece x wordpiece, and the
+word pairs of the OLS contrasts above are the mean over the two words' pieces, his ``group_merger=mean``)
+or ``word`` (the cache pooling of ``analysis=flow``: the project's variant).
+
+``original: true`` adds Westera's own tests (:mod:`probes.analysis.westera.original`, from the same flow
+matrices): the Pearson/Spearman correlation of G (G*) with A over all (layer, t1, t2) triples of the
+level (``westera_correlation.csv``; his .41 is Pearson, wordpieces, 500 GUM dev items); per-token
+outgoing balance averaged over the pieces of a sentence's open- vs closed-class words and of each of
+his eight POS groups, Welch t-tests per layer and pooled (``westera_classes.csv``); coreference
+items = a noun (XPOS NN/NNS) before a pronoun (XPOS PRP/PRP$) with material between, y = mean flow from
+the noun's pieces to the pronoun's, Welch t-tests coref vs not (``westera_coref_ttests.csv``) and OLS
+``y ~ 1 + coref + distance + coref x distance`` over item x layer rows (his model) and per layer
+(``westera_coref_ols.csv``; classical and sentence-clustered SEs); ``flow_westera.png``.
+
 Outputs: ``flow_correlates.csv`` (one row per contrast x measure x layer x transform x term),
 ``flow_correlates_effects.csv`` (the indicator rows only + group means), ``flow_correlates.png``
 (per-layer z of the indicator, cluster-robust), ``summary.json``.
@@ -39,7 +53,9 @@ import pandas as pd
 import torch
 
 from probes.analysis.stats import ols
+from probes.analysis.westera import original as W
 from probes.analysis.westera.flow import select_sentences, sentence_flow
+from probes.model.inputs import pooling_matrix
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +165,9 @@ def flow_correlates(ctx, *, split: str = "dev", max_sentences: int | None = None
                     seed: int = 0, open_upos=OPEN_UPOS, closed_upos=CLOSED_UPOS, noun_upos=("NOUN", "PROPN"),
                     pron_upos=("PRON",), chain: bool = True, chunk_size: int | None = None,
                     max_length: int | None = None, num_threads: int | None = None,
-                    transforms=("raw", "log"), save_pairs: bool = False) -> pd.DataFrame:
+                    transforms=("raw", "log"), save_pairs: bool = False, level: str = "piece",
+                    original: bool = True, open_tags=W.OPEN_TAGS, closed_tags=W.CLOSED_TAGS,
+                    pos_groups=W.POS_GROUPS, noun_xpos=W.NOUN_XPOS, pron_xpos=W.PRON_XPOS) -> pd.DataFrame:
     """Flow on a seeded random subset of the first ``max_sentences`` sentences of GUM ``split``; OLS of each
     measure on the contrasts; save and return the effects."""
     t0 = time.time()
@@ -159,14 +177,22 @@ def flow_correlates(ctx, *, split: str = "dev", max_sentences: int | None = None
     clusters = head_clusters(sents, ctx.treebank.path(split))
     idx = select_sentences(len(sents), max_sentences, n_sentences, seed)
     chosen = [sents[i] for i in idx]
-    parts = []
+    if level not in ("piece", "word"):
+        raise ValueError(f"analysis.level must be piece or word, got {level!r}")
+    parts, orig = [], _Original(level, open_tags, closed_tags, pos_groups, noun_xpos, pron_xpos) if original else None
     for k, e, fl in sentence_flow(ctx.encoder, [s.words for s in chosen], ctx.device, max_length, chain,
-                                  chunk_size, "word", desc="flow_correlates"):
+                                  chunk_size, level, desc="flow_correlates"):
         s = chosen[k]
         if s.n < 2:
             continue
-        parts.append(pair_table(idx[k], s.upos, clusters[idx[k]], fl, open_upos, closed_upos, noun_upos,
-                                pron_upos))
+        fl = {m: v.numpy() for m, v in fl.items()}  # (L, X, X) [t2, t1], X = pieces or words + 2
+        if orig is not None:
+            orig.add(idx[k], s, clusters[idx[k]], e, fl)
+        if level == "piece":  # word pairs = mean over both words' pieces (Westera's group_merger=mean)
+            mm = pooling_matrix(e.word_of_piece, e.n_words, "mean").numpy()  # (W, T)
+            fl = {m: np.einsum("at,ltu,bu->lab", mm, v, mm) for m, v in fl.items()}  # (L, W, W)
+        parts.append(pair_table(idx[k], s.upos, clusters[idx[k]], {m: torch.from_numpy(v) for m, v in fl.items()},
+                                open_upos, closed_upos, noun_upos, pron_upos))
     if not parts:
         raise ValueError(f"flow_correlates: no usable sentence in {split}")
     df = pd.concat(parts, ignore_index=True)
@@ -178,6 +204,7 @@ def flow_correlates(ctx, *, split: str = "dev", max_sentences: int | None = None
     ctx.save_table(reg, "flow_correlates")
     ctx.save_table(eff, "flow_correlates_effects")
     ctx.save_figure(effect_figure(eff, "log" if "log" in transforms else transforms[0]), "flow_correlates")
+    westera = orig.finish(ctx, tuple(m for m in ("G", "Gstar", "A") if m in df)) if orig is not None else None
     l0 = df[df.layer == 0]
     summ = {}
     for _, r in eff.iterrows():
@@ -192,6 +219,114 @@ def flow_correlates(ctx, *, split: str = "dev", max_sentences: int | None = None
         n_open_class_pairs=int((l0.open1 == 1).sum()), n_closed_class_pairs=int((l0.open1 == 0).sum()),
         n_noun_pron_pairs=int(l0.coreferent.notna().sum()), n_coreferent_pairs=int((l0.coreferent == 1).sum()),
         model="y ~ 1 + indicator + log(distance) + log(n_words) + t1_before_t2; OLS, CR1 by sentence",
-        seconds=round(time.time() - t0, 1), seconds_flow=round(seconds_flow, 1), effects=summ))
+        level=level, seconds=round(time.time() - t0, 1), seconds_flow=round(seconds_flow, 1), effects=summ,
+        westera=westera))
     log.info("flow_correlates: %d sentences in %.1fs", df.sentence.nunique(), time.time() - t0)
     return eff
+
+
+class _Original:
+    """Collects, sentence by sentence, what Westera's own tests need (see :mod:`.original`)."""
+
+    def __init__(self, level, open_tags, closed_tags, pos_groups, noun_xpos, pron_xpos):
+        self.level = level
+        self.classes = {"open": tuple(open_tags), "closed": tuple(closed_tags)}
+        self.pos = {g: (g,) for g in pos_groups}
+        self.noun_xpos, self.pron_xpos = tuple(noun_xpos), tuple(pron_xpos)
+        self.flat: dict[str, list[np.ndarray]] = defaultdict(list)  # measure -> (L, X*X) per sentence
+        self.class_rows: list[dict] = []
+        self.coref_rows: list[dict] = []
+
+    def add(self, sid: int, s, clusters, e, fl: dict[str, np.ndarray]) -> None:
+        for m, v in fl.items():
+            self.flat[m].append(v.reshape(v.shape[0], -1))
+        pos = W.word_positions(e.word_of_piece, e.n_words, self.level)
+        L = next(iter(fl.values())).shape[0]
+        for kind, groups in (("open_closed", self.classes), ("pos", self.pos)):
+            vals = {m: W.class_balances(v, pos, s.upos, groups) for m, v in fl.items()}
+            for g in groups:
+                for layer in range(L):
+                    self.class_rows.append(dict(kind=kind, sentence=sid, layer=layer, group=g,
+                                                **{m: float(vals[m][g][layer]) for m in fl}))
+        xp = W.xpos_of(s)
+        for n_i, (i, j, coref) in enumerate(W.coref_items(xp, clusters, self.noun_xpos, self.pron_xpos)):
+            vals = {m: W.pair_mean(v, pos[i], pos[j]) for m, v in fl.items()}
+            for layer in range(L):
+                self.coref_rows.append(dict(sentence=sid, item=n_i, noun=i, pronoun=j, layer=layer,
+                                            coref=int(coref), distance=j - i,
+                                            **{m: float(vals[m][layer]) for m in fl}))
+
+    def finish(self, ctx, measures) -> dict:
+        corr_rows = []
+        flat = {m: np.concatenate(v, axis=1) for m, v in self.flat.items()}  # (L, N)
+        for m in [x for x in measures if x != "A"]:
+            L = flat[m].shape[0]
+            for layer in [-1, *range(L)]:
+                x = flat[m].ravel() if layer < 0 else flat[m][layer]
+                a = flat["A"].ravel() if layer < 0 else flat["A"][layer]
+                corr_rows.append(dict(measure=m, against="A", level=self.level, layer=layer,
+                                      **W.pearson_spearman(x, a)))
+        corr = pd.DataFrame(corr_rows)
+        cls = pd.DataFrame(self.class_rows)
+        tests = pd.concat([W.group_tests(cls[cls.kind == kind], m, list(groups), kind)
+                           for kind, groups in (("open_closed", self.classes), ("pos", self.pos)) for m in measures],
+                          ignore_index=True)
+        items = pd.DataFrame(self.coref_rows)
+        ct, co = [], []
+        if len(items) and items.coref.nunique() == 2:
+            for m in measures:
+                t, o = W.coref_tests(items, m)
+                ct.append(t)
+                co.append(o)
+        ctt = pd.concat(ct, ignore_index=True) if ct else pd.DataFrame()
+        col = pd.concat(co, ignore_index=True) if co else pd.DataFrame()
+        ctx.save_table(corr, "westera_correlation")
+        ctx.save_table(tests, "westera_classes")
+        ctx.save_table(ctt, "westera_coref_ttests")
+        ctx.save_table(col, "westera_coref_ols")
+        ctx.save_figure(_westera_figure(tests, ctt), "flow_westera")
+        out = dict(level=self.level,
+                   correlation={f"{r.measure}/layer{r.layer}": dict(pearson=round(r.pearson, 4),
+                                                                   spearman=round(r.spearman, 4))
+                                for r in corr.itertuples()},
+                   n_coref_items=int(items[items.layer == 0].coref.sum()) if len(items) else 0,
+                   n_nocoref_items=int((items[items.layer == 0].coref == 0).sum()) if len(items) else 0)
+        oc = tests[(tests.test == "open_closed") & (tests.a == "open") & (tests.b == "closed")]
+        per_layer = lambda d: {m: dict(layers=[round(float(v), 2) for v in g[g.layer >= 0].sort_values("layer").t],  # noqa: E731
+                                       pooled=round(float(g[g.layer == -1].t.iloc[0]), 2))
+                               for m, g in d.groupby("measure")}
+        out["open_vs_closed_t"] = per_layer(oc)
+        if len(ctt):
+            out["coref_t"] = per_layer(ctt)
+        if len(col):
+            pooled = col[(col.layer == -1) & col.term.isin(["coref", "coref_x_distance"])]
+            out["coref_ols_pooled"] = {f"{r.measure}/{r.term}": dict(coef=r.coef, t=round(r.t, 2), z_cluster=round(r.z_cluster, 2))
+                                       for r in pooled.itertuples()}
+        return out
+
+
+def _westera_figure(tests: pd.DataFrame, ctt: pd.DataFrame):
+    import matplotlib.pyplot as plt
+    from probes.analysis import plots  # noqa: F401
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    oc = tests[(tests.test == "open_closed") & (tests.layer >= 0)]
+    for m, g in oc.groupby("measure"):
+        axes[0].plot(g.layer + 1, g.t, marker="o", label="G*" if m == "Gstar" else m)
+    axes[0].set_title("open vs closed class: balance (Welch t)", fontsize=9)
+    if len(ctt):
+        c = ctt[ctt.layer >= 0]
+        for m, g in c.groupby("measure"):
+            axes[1].plot(g.layer + 1, g.t, marker="o", label="G*" if m == "Gstar" else m)
+    axes[1].set_title("noun -> pronoun: coref vs not (Welch t)", fontsize=9)
+    for ax in axes:
+        ax.axhline(0, c="grey", lw=0.8)
+        for z in (-1.96, 1.96):
+            ax.axhline(z, c="grey", lw=0.8, ls=":")
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("t")
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig

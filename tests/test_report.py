@@ -1,0 +1,189 @@
+"""`python -m probes.report`: Table 3 and an analysis from real tiny runs, side-by-side encoders, provenance,
+the commands of what is not run yet, the README's Table 3 against the runs, and the page in headless Chromium."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from probes.report.build import load_papers, pct
+from probes.report.provenance import git_commit
+from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, write_chain_treebank
+
+TABLE3 = next(s for p in load_papers() for s in p["sections"] if s["key"] == "clark_table3")
+COLS = TABLE3["columns"]
+
+
+def _sweep_runs(base: Path):
+    return sorted(p.parent for p in base.glob("*/metrics.json"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two Table 3 rows x two tiny encoders (one multirun), and head_stats on a tiny treebank."""
+    t = tmp_path_factory.mktemp("report")
+    (t / "data" / "chain").mkdir(parents=True)
+    for split, n, seed in (("train", 60, 0), ("dev", 20, 1), ("test", 20, 2)):
+        write_chain_treebank(t / "data" / "chain" / f"chain-{split}.conllu", n, seed)
+    (t / "tiny" / "ud_english_ewt").mkdir(parents=True)
+    (t / "tiny" / "ud_english_ewt" / "en_ewt-ud-dev.conllu").write_text(TINY_CONLLU)
+    over = [o for o in chain_overrides(t / "data", t) if not o.startswith(("paths.output_dir", "encoder="))]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
+    train = subprocess.Popen(
+        [sys.executable, "train.py", "-m", "experiment=table3_right_branching,table3_attn_only",
+         "encoder=tiny,tiny_family", "trainer.max_epochs=1", f"hydra.sweep.dir={t / 'sweep'}", *over],
+        cwd=ROOT, env=env, stdout=open(t / "train.log", "w"), stderr=subprocess.STDOUT)
+    analysis = subprocess.run(
+        [sys.executable, "-m", "probes.analyze", "analysis=head_stats", "encoder=tiny", "logger.use_wandb=false",
+         f"paths.data_dir={t / 'tiny'}", f"paths.cache_dir={t / 'acache'}", "data.treebank.download=false",
+         "extract.precision=32-true", f"hydra.run.dir={t / 'analysis'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert analysis.returncode == 0, analysis.stderr[-3000:]
+    assert train.wait(timeout=600) == 0, (t / "train.log").read_text()[-3000:]
+    return t
+
+
+def test_papers_file_is_the_experiments_paper_values():
+    """Table 3's paper numbers in papers.yaml equal the `paper:` of each experiment config."""
+    for row in TABLE3["experiments"]:
+        exp = OmegaConf.load(ROOT / "conf" / "experiment" / f"{row['experiment']}.yaml")
+        assert exp.paper.value == row["paper"], row["experiment"]
+
+
+def _md_rows(md: str, section_title: str) -> tuple[list[str], dict[str, list[str]]]:
+    block = md.split(f"### {section_title}", 1)[1].split("\n### ", 1)[0]
+    lines = [ln for ln in block.splitlines() if ln.startswith("|")]
+    split = lambda ln: [c.strip() for c in ln.strip("|").split(" | ")]  # noqa: E731
+    rows = {}
+    for ln in lines[2:]:
+        cells = split(ln)
+        m = re.search(r"`([\w-]+)`\)$", cells[0])
+        if m:
+            rows[m.group(1)] = cells
+    return split(lines[0]), rows
+
+
+@pytest.mark.slow
+def test_report_from_runs(runs, tmp_path):
+    from probes.report import write_report
+
+    md_path, html_path = write_report([runs / "sweep", runs / "analysis"], tmp_path / "out")
+    md, html = md_path.read_text(), html_path.read_text()
+    header, rows = _md_rows(md, TABLE3["what"])
+    jobs = _sweep_runs(runs / "sweep")
+    assert len(jobs) == 4
+    encoders = ["tiny", "tiny_family-bert"]  # no `name` in these configs: the choice (and family)
+    assert header[1:-1] == [f"{c} ({e})" for e in encoders for c in COLS]
+    for job in jobs:  # every number is metrics.json in percent with one decimal, in its encoder's column
+        choices = OmegaConf.load(job / ".hydra" / "hydra.yaml").hydra.runtime.choices
+        metrics = json.loads((job / "metrics.json").read_text())
+        cells = rows[choices.experiment]
+        e = encoders.index("tiny" if choices.encoder == "tiny" else "tiny_family-bert")
+        got = cells[1 + e * len(COLS): 1 + (e + 1) * len(COLS)]
+        assert got == [pct(metrics[m]) for m in TABLE3["metrics"]], (job, got)
+        assert cells[-1] == str(next(r["paper"] for r in TABLE3["experiments"]
+                                     if r["experiment"] == choices.experiment))
+    assert all(c == "-" for c in rows["table3_attn_glove"][1:-1])  # not run here
+    # provenance: the job's own command, the commit, the machine
+    assert "python train.py experiment=table3_attn_only encoder=tiny" in md
+    assert git_commit()[:12] in md
+    # the analysis: its layer table, its figures embedded in the page, side by side with nothing missing
+    head_stats = md.split("### Figures 1, 2 and 4", 1)[1].split("\n### ", 1)[0]
+    assert "| stat | layer 1 | layer 2 | paper |" in head_stats
+    assert "head_stats_heatmaps" in html and html.count("data:image/png;base64,") >= 2
+    assert "<img" in html and 'src="' not in html.replace("src='data:", "")  # no file links in the page
+    # what has not run is listed with its command
+    assert "Not run yet: `python -m probes.analyze analysis=dep_heads`" in md
+    assert "python -m probes.analyze analysis=coref_heads" in md.split("## Not run yet", 1)[1]
+
+
+@pytest.mark.slow
+def test_cli_writes_into_the_first_path(runs):
+    r = subprocess.run([sys.executable, "-m", "probes.report", str(runs / "sweep"), str(runs / "analysis")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (runs / "sweep" / "report.html").exists() and (runs / "sweep" / "report.md").exists()
+    bad = subprocess.run([sys.executable, "-m", "probes.report", str(runs / "nowhere")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "no such run folder" in bad.stderr
+
+
+def _readme_table3() -> dict[str, list[str]]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Results: Clark et al. Table 3", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for ln in block.splitlines():
+        m = re.match(r"\| .*\(`(table3_\w+)`\) \|(.*)\|\s*$", ln)
+        if m:
+            rows[m.group(1)] = [c.strip().strip("*") for c in m.group(2).split("|")]
+    return rows
+
+
+def test_readme_table3_is_the_runs():
+    """The README's Table 3 (dev, test, test no punct., paper) equals the report built from logs/.
+
+    The runs live in logs/ (not in git): where the README's main job has not been run on this
+    machine, only the paper column is checked."""
+    from probes.report.build import build
+    from probes.report.runs import find_runs
+
+    readme = _readme_table3()
+    assert set(readme) == {r["experiment"] for r in TABLE3["experiments"]}
+    for row in TABLE3["experiments"]:
+        assert readme[row["experiment"]][-1] == str(row["paper"])
+    logs = ROOT / "logs"
+    runs = [r for r in find_runs([logs]) if r.kind == "train" and r.encoder == "all-MiniLM-L6-v2"
+            and r.data == "ud_english_ewt"] if logs.is_dir() else []
+    (sec,) = [s for _, secs in build(runs) for s in secs if s.key == "clark_table3"]
+    done = {e for (e, _, _) in sec.values}
+    if done != set(readme):
+        pytest.skip(f"the README's main job has not been run here (logs/ holds Table 3 rows {sorted(done)})")
+    for row in TABLE3["experiments"]:
+        e = row["experiment"]
+        assert readme[e][:3] == [pct(sec.values[(e, c, "all-MiniLM-L6-v2")]) for c in COLS], e
+
+
+def _browser() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    why = "apt-get is not available on this machine" if not shutil.which("apt-get") else \
+        "install the Debian package `chromium` (.ci/run does)"
+    if os.environ.get("PROBES_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"PROBES_REQUIRE_BROWSER=1 but no chromium on PATH ({why})")
+    pytest.skip(f"no headless browser: chromium not installed ({why})")
+
+
+@pytest.mark.slow
+def test_report_renders_in_chromium(runs, tmp_path):
+    browser = _browser()
+    from probes.report import write_report
+
+    _, html = write_report([runs / "sweep", runs / "analysis"], tmp_path / "out")
+    base = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars"]
+    png = tmp_path / "page.png"
+    shot = subprocess.run(base + [f"--screenshot={png}", "--window-size=1280,1600", html.as_uri()],
+                          capture_output=True, text=True, timeout=180)
+    assert png.exists(), shot.stderr[-2000:]
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(png)  # (H, W, 3|4) floats in [0, 1]
+    assert img.shape[0] == 1600 and img.shape[1] == 1280
+    dark = (img[..., :3].mean(-1) < 0.5).mean()  # text, table borders and figures
+    assert 0.005 < dark < 0.9 and img[..., :3].std() > 0.05
+    dom = subprocess.run(base + ["--dump-dom", html.as_uri()], capture_output=True, text=True, timeout=180)
+    text = re.sub(r"<[^>]+>", " ", dom.stdout)
+    assert "Table 3" in text
+    for job in _sweep_runs(runs / "sweep"):
+        metrics = json.loads((job / "metrics.json").read_text())
+        for m in TABLE3["metrics"]:
+            assert f" {pct(metrics[m])} " in text, (job, m)
+    assert dom.stdout.count("<img") == len(np.unique([p.name for p in (runs / "analysis").glob("*.png")]))
