@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from probes.io import atomic_write_text
 from probes.memory import peak_rss_mb, reset_peak_rss, set_mmap_threshold
+from probes.report.provenance import write_provenance
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
         return metrics
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
+    write_provenance(out)  # commit, machine, command: every run, with or without a logger
     rows = [[k, v] for k, v in sorted(metrics.items()) if isinstance(v, float)]
     for lg in loggers:
         if hasattr(lg, "log_table"):

@@ -16,6 +16,8 @@ def test_train_writes_metrics_and_predictions(probe, chain_data, tmp_path):
     metrics = train(cfg)
     saved = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert saved == metrics
+    prov = json.loads((tmp_path / "out" / "provenance.json").read_text())  # written with logger=none too
+    assert {"commit", "machine", "command"} <= set(prov) and prov["machine"]
     for k in ("val/uas", "val/uas_best", "test/uas", "test/uas_nopunct", "train/loss"):
         assert 0.0 <= saved[k] <= (1.0 if "uas" in k else 100.0), k
     pred = read_conllu(tmp_path / "out" / "predictions" / "test.conllu")
