@@ -63,14 +63,19 @@ def write_chain_treebank(path: Path, n_sentences: int, seed: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_chain_splits(root: Path, sizes=(120, 30, 30), writer=write_chain_treebank) -> Path:
+    """`<root>/data/chain/chain-{train,dev,test}.conllu` of ``sizes`` sentences (seeds 0, 1, 2); returns `<root>/data`."""
+    d = root / "data" / "chain"
+    d.mkdir(parents=True)
+    for split, n, seed in zip(("train", "dev", "test"), sizes, (0, 1, 2)):
+        writer(d / f"chain-{split}.conllu", n, seed)
+    return root / "data"
+
+
 @pytest.fixture
 def chain_data(tmp_path) -> Path:
     """A tiny treebank folder `chain/` with train/dev/test files."""
-    d = tmp_path / "data" / "chain"
-    d.mkdir(parents=True)
-    for split, n, seed in (("train", 120, 0), ("dev", 30, 1), ("test", 30, 2)):
-        write_chain_treebank(d / f"chain-{split}.conllu", n, seed)
-    return tmp_path / "data"
+    return write_chain_splits(tmp_path)
 
 
 def chain_overrides(data_dir: Path, tmp_path: Path) -> list[str]:

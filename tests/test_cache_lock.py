@@ -56,13 +56,10 @@ def _same_entry(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory):
     """Caches built by one process alone (the reference) and the chain treebank they come from."""
-    from tests.conftest import write_chain_treebank
+    from tests.conftest import write_chain_splits
 
     tmp = tmp_path_factory.mktemp("alone")
-    d = tmp / "data" / "chain"
-    d.mkdir(parents=True)
-    for split, n, seed in (("train", 120, 0), ("dev", 30, 1), ("test", 30, 2)):
-        write_chain_treebank(d / f"chain-{split}.conllu", n, seed)
+    write_chain_splits(tmp)
     cfg = compose_train(_overrides(tmp / "data", tmp, tmp / "cache"))
     ensure_caches(cfg.encoder, instantiate(cfg.data.treebank), list(SPLITS), cfg.extract, cfg.paths.cache_dir,
                   child=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from conftest import WORDS, chain_overrides, compose_train
+from conftest import WORDS, chain_overrides, compose_train, write_chain_splits
 from probes.structural.components.probes import DepthProbe, DistanceProbe
 from probes.structural.metrics import UUAS, DepthSpearman, DistanceSpearman, RootAccuracy, mst_edges
 from probes.structural.module import DistanceProbeModule
@@ -160,10 +160,7 @@ def _position_chain(path: Path, n_sentences: int, seed: int) -> None:
 @pytest.fixture(scope="module")
 def chain_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("structural")
-    d = root / "data" / "chain"
-    d.mkdir(parents=True)
-    for split, n, seed in (("train", 60, 0), ("dev", 20, 1), ("test", 20, 2)):
-        _position_chain(d / f"chain-{split}.conllu", n, seed)
+    write_chain_splits(root, (60, 20, 20), writer=_position_chain)
     return root
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, chain_overrides, write_chain_treebank
+from tests.conftest import ROOT, chain_overrides, write_chain_splits
 
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
 
@@ -21,10 +21,7 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
 def chain(tmp_path_factory):
     """Chain treebank and one cache folder shared by this module's sweeps (the first sweep builds it)."""
     tmp = tmp_path_factory.mktemp("sweeps")
-    d = tmp / "data" / "chain"
-    d.mkdir(parents=True)
-    for split, n, seed in (("train", 60, 0), ("dev", 20, 1), ("test", 20, 2)):
-        write_chain_treebank(d / f"chain-{split}.conllu", n, seed)
+    write_chain_splits(tmp, (60, 20, 20))
     return tmp
 
 

@@ -185,6 +185,13 @@ def _int_label(s: str, allowed=(0, 1)) -> int:
     return v
 
 
+def _named_label(s: str, labels: dict[str, int], what: str) -> int:
+    lab = s.strip()
+    if lab not in labels:
+        raise ValueError(f"{what} {lab!r} not in {sorted(labels)}")
+    return labels[lab]
+
+
 def _parse(task: str, c: list[str], row: int) -> GlueExample:
     if task == "cola":
         return GlueExample(c[3].strip(), None, _int_label(c[1]), row)
@@ -193,10 +200,7 @@ def _parse(task: str, c: list[str], row: int) -> GlueExample:
     if task == "mrpc":
         return GlueExample(c[3].strip(), c[4].strip(), _int_label(c[0]), row)
     if task == "rte":
-        lab = c[3].strip()
-        if lab not in RTE_LABELS:
-            raise ValueError(f"RTE label {lab!r} not in {sorted(RTE_LABELS)}")
-        return GlueExample(c[1].strip(), c[2].strip(), RTE_LABELS[lab], int(c[0]))
+        return GlueExample(c[1].strip(), c[2].strip(), _named_label(c[3], RTE_LABELS, "RTE label"), int(c[0]))
     if task == "stsb":
         score = float(c[9])
         if not 0.0 <= score <= 5.0:
@@ -205,15 +209,10 @@ def _parse(task: str, c: list[str], row: int) -> GlueExample:
     if task == "qqp":
         return GlueExample(c[3].strip(), c[4].strip(), _int_label(c[5]), int(c[0]))
     if task == "qnli":
-        lab = c[3].strip()
-        if lab not in RTE_LABELS:
-            raise ValueError(f"QNLI label {lab!r} not in {sorted(RTE_LABELS)}")
-        return GlueExample(c[1].strip(), c[2].strip(), RTE_LABELS[lab], int(c[0]))
+        return GlueExample(c[1].strip(), c[2].strip(), _named_label(c[3], RTE_LABELS, "QNLI label"), int(c[0]))
     if task == "mnli":
-        lab = c[-1].strip()  # gold_label, the last column of train and dev files
-        if lab not in MNLI_LABELS:
-            raise ValueError(f"MNLI gold label {lab!r} not in {sorted(MNLI_LABELS)}")
-        return GlueExample(c[8].strip(), c[9].strip(), MNLI_LABELS[lab], int(c[0]))
+        label = _named_label(c[-1], MNLI_LABELS, "MNLI gold label")  # gold_label: last column of train and dev
+        return GlueExample(c[8].strip(), c[9].strip(), label, int(c[0]))
     if task == "wnli":
         return GlueExample(c[1].strip(), c[2].strip(), _int_label(c[3]), int(c[0]))
     raise ValueError(task)

@@ -175,9 +175,6 @@ def _extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cac
     max_length = max_length or encoder.max_length
     encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
     keep, too_long = select(encoded, max_length, long_sentences)
-    if too_long:
-        log.warning("%d of %d sentences exceed %d wordpieces and are left out of the cache (policy: skip)",
-                    len(too_long), len(sentences), max_length)
     kept = [encoded[i] for i in keep]
     batches = length_batches([e.n_pieces for e in kept], max_tokens, max_batch_size)
     pad_id = encoder.tokenizer.pad_token_id

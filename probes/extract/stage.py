@@ -240,6 +240,9 @@ def select(encoded: list[Encoded], max_length: int, long_sentences: str) -> tupl
     if too_long and long_sentences == "error":
         raise ValueError(f"{len(too_long)} sentences exceed {max_length} wordpieces (first: #{too_long[0]}); "
                          "set extract.long_sentences=skip to leave them out")
+    if too_long:
+        log.warning("%d of %d sentences exceed %d wordpieces and are left out of the cache (policy: skip)",
+                    len(too_long), len(encoded), max_length)
     skipped = set(too_long)
     return [i for i in range(len(encoded)) if i not in skipped], too_long
 
@@ -304,9 +307,6 @@ def _extract(
     max_length = min(max_length or encoder.max_length, measure.max_pieces or encoder.max_length)
     encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
     keep, too_long = select(encoded, max_length, long_sentences)
-    if too_long:
-        log.warning("%d of %d sentences exceed %d wordpieces and are left out of the cache (policy: skip)",
-                    len(too_long), len(sentences), max_length)
     kept = [encoded[i] for i in keep]
     lengths = [e.n_pieces for e in kept]
     batches = split_by_pairs(length_batches(lengths, max_tokens, max_batch_size), lengths, max_pairs)
