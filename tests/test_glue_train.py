@@ -191,3 +191,47 @@ def test_analyses_on_the_finetuned_model(mrpc_run, glue_data, tmp_path):
         cfg = _analyze("finetune_cosine", f"paths.data_dir={glue_data}", f"analysis.checkpoint={out}",
                        "analysis.task=rte")
         instantiate(cfg.analysis)(AnalysisContext(cfg, tmp_path / "cos2", use_wandb=False))
+
+
+def test_layer_decay_profiles(mrpc_run, glue_data, tmp_path):
+    """analysis=layer_decay: the decay read from the export, weight change against the two weight files
+    compared by name (an independent BertModel layer rule), attention change = 1 - finetune_cosine."""
+    from safetensors.torch import load_file
+
+    out, _ = mrpc_run
+    other = tmp_path / "d125"
+    train(compose_train(_overrides("mrpc", glue_data, other) + ["probe.layer_decay=1.25"]))
+    cfg = _analyze("layer_decay", f"paths.data_dir={glue_data}", f"analysis.runs=[{out},{other}]")
+    ctx = AnalysisContext(cfg, tmp_path / "ld", use_wandb=False)
+    df = instantiate(cfg.analysis)(ctx)
+    L = 2  # conf/encoder/tiny.yaml
+    assert sorted(set(df.decay)) == [1.0, 1.25] and set(df.task) == {"mrpc"}
+    assert sorted(set(df.layer)) == list(range(L + 2)) and int(df.block.sum()) == 2 * L
+    runs = pd.read_csv(tmp_path / "ld" / "layer_decay_runs.csv")
+    assert list(runs.decay) == [1.0, 1.25] and "val/f1" in runs.columns
+
+    pre = {k: v.double() for k, v in ctx.encoder.model.state_dict().items()}
+    for run, decay in ((out, 1.0), (other, 1.25)):
+        tuned = load_file(str(run / "hf_model" / "model.safetensors"))
+        d2, n2 = [0.0] * (L + 2), [0.0] * (L + 2)
+        for k, w in pre.items():
+            if not any(k == n for n, _ in ctx.encoder.model.named_parameters()):
+                continue  # buffers (position ids)
+            layer = 0 if k.startswith("embeddings.") else L + 1 if k.startswith("pooler.") else int(k.split(".")[2]) + 1
+            d2[layer] += float(((tuned["bert." + k].double() - w) ** 2).sum())
+            n2[layer] += float((w ** 2).sum())
+        got = df[df.decay == decay].sort_values("layer").weight_change.to_numpy()
+        assert got == pytest.approx([(a / b) ** 0.5 for a, b in zip(d2, n2)], rel=1e-9)
+        assert (got > 0).all()
+        grads = pd.read_csv(run / "grad_norms.csv")
+        last = grads[(grads.epoch == grads.epoch.max()) & grads.group.str.startswith("layer_")]
+        assert df[df.decay == decay].sort_values("layer").grad_norm.to_numpy() == pytest.approx(last["mean"].to_numpy())
+    cos = _analyze("finetune_cosine", f"paths.data_dir={glue_data}", f"analysis.checkpoint={other}")
+    c = instantiate(cos.analysis)(AnalysisContext(cos, tmp_path / "cos", use_wandb=False))
+    per_layer = 1 - c.groupby("layer").cosine.mean().to_numpy()
+    blocks = df[(df.decay == 1.25) & df.block].sort_values("layer")
+    assert blocks.attention_change.to_numpy() == pytest.approx(per_layer, abs=1e-12)
+    assert (tmp_path / "ld" / "layer_decay.png").exists()
+    with pytest.raises(FileNotFoundError, match="probe.layer_decay"):
+        cfg = _analyze("layer_decay", f"paths.data_dir={glue_data}", f"analysis.runs=[{tmp_path}]")
+        instantiate(cfg.analysis)(AnalysisContext(cfg, tmp_path / "bad", use_wandb=False))

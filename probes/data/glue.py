@@ -83,22 +83,86 @@ _FILES: dict[str, dict[str, list[str]]] = {
     "wnli": {"train": ["train.tsv"], "dev": ["dev.tsv"]},
 }
 
-# header (first columns checked) for files that have one
-_HEADERS = {
-    "sst2": ["sentence", "label"],
-    "mrpc": ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
-    "stsb": ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1",
-             "sentence2", "score"],
-    "rte": ["index", "sentence1", "sentence2", "label"],
-    "qqp": ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
-    "qnli": ["index", "question", "sentence", "label"],
-    "mnli": ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
-             "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1"],
-    "wnli": ["index", "sentence1", "sentence2", "label"],
+@dataclass(frozen=True)
+class IntLabel:
+    """An integer label column restricted to ``allowed``."""
+
+    allowed: tuple[int, ...] = (0, 1)
+
+    def __call__(self, s: str) -> int:
+        v = int(s.strip())
+        if v not in self.allowed:
+            raise ValueError(f"label {s!r} not in {self.allowed}")
+        return v
+
+
+@dataclass(frozen=True)
+class NamedLabel:
+    """A string label column mapped to ids (``what`` names it in errors)."""
+
+    labels: tuple[tuple[str, int], ...]
+    what: str
+
+    def __call__(self, s: str) -> int:
+        lab, labels = s.strip(), dict(self.labels)
+        if lab not in labels:
+            raise ValueError(f"{self.what} {lab!r} not in {sorted(labels)}")
+        return labels[lab]
+
+
+@dataclass(frozen=True)
+class ScoreLabel:
+    """A float score column within [lo, hi] (STS-B)."""
+
+    lo: float
+    hi: float
+    what: str
+
+    def __call__(self, s: str) -> float:
+        score = float(s)
+        if not self.lo <= score <= self.hi:
+            raise ValueError(f"{self.what} {score} outside [{self.lo:g}, {self.hi:g}]")
+        return score
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """Where a task's fields sit in its tab-separated files (0-based columns; negative = from the end)."""
+
+    text_a: int
+    text_b: int | None
+    label: int
+    parse_label: IntLabel | NamedLabel | ScoreLabel
+    idx: int | None = None                 # the file's index column; None: the row number
+    header: tuple[str, ...] | None = None  # first columns of the header line; None: no header
+    last_header: str | None = None         # the header's last column, where it is checked (MNLI)
+    ncols: int | None = None               # columns per row; None: as many as the header has
+
+    def parse(self, c: list[str], row: int) -> GlueExample:
+        return GlueExample(c[self.text_a].strip(), None if self.text_b is None else c[self.text_b].strip(),
+                           self.parse_label(c[self.label]), row if self.idx is None else int(c[self.idx]))
+
+
+_RTE = NamedLabel(tuple(RTE_LABELS.items()), "RTE label")
+FORMATS: dict[str, FileFormat] = {
+    "cola": FileFormat(3, None, 1, IntLabel(), ncols=4),  # no header: source, label, original mark, sentence
+    "sst2": FileFormat(0, None, 1, IntLabel(), header=("sentence", "label"), ncols=2),
+    "mrpc": FileFormat(3, 4, 0, IntLabel(), header=("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"), ncols=5),
+    "stsb": FileFormat(7, 8, 9, ScoreLabel(0.0, 5.0, "STS-B score"), idx=0,
+                       header=("index", "genre", "filename", "year", "old_index", "source1", "source2",
+                               "sentence1", "sentence2", "score"), ncols=10),
+    "rte": FileFormat(1, 2, 3, _RTE, idx=0, header=("index", "sentence1", "sentence2", "label"), ncols=4),
+    "qqp": FileFormat(3, 4, 5, IntLabel(), idx=0, header=("id", "qid1", "qid2", "question1", "question2",
+                                                          "is_duplicate"), ncols=6),
+    "qnli": FileFormat(1, 2, 3, NamedLabel(tuple(RTE_LABELS.items()), "QNLI label"), idx=0,
+                       header=("index", "question", "sentence", "label"), ncols=4),
+    # MNLI: 12 columns in train, 16 in the dev files; the gold label is the last column of both
+    "mnli": FileFormat(8, 9, -1, NamedLabel(tuple(MNLI_LABELS.items()), "MNLI gold label"), idx=0,
+                       header=("index", "promptID", "pairID", "genre", "sentence1_binary_parse",
+                               "sentence2_binary_parse", "sentence1_parse", "sentence2_parse", "sentence1",
+                               "sentence2", "label1"), last_header="gold_label"),
+    "wnli": FileFormat(1, 2, 3, IntLabel(), idx=0, header=("index", "sentence1", "sentence2", "label"), ncols=4),
 }
-_LAST_HEADER = {"mnli": "gold_label"}
-# columns per row; None = as many as the header has (MNLI: 12 in train, 16 in the dev files)
-_NCOLS = {"cola": 4, "sst2": 2, "mrpc": 5, "stsb": 10, "rte": 4, "qqp": 6, "qnli": 4, "mnli": None, "wnli": 4}
 
 
 class GlueFormatError(ValueError):
@@ -143,24 +207,25 @@ def read_glue(task: str, split: str, data_dir: str | Path) -> list[GlueExample]:
 
 
 def _read_file(task: str, path: Path, start_idx: int) -> list[GlueExample]:
+    fmt = FORMATS[task]
     with open(path, encoding="utf-8-sig", newline="") as f:   # utf-8-sig drops MRPC's BOM
         text = f.read()
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     first = 0
-    if task in _HEADERS:
+    if fmt.header is not None:
         if not lines:
             raise GlueFormatError(f"{path}:1: empty file, expected a header")
         header = lines[0].rstrip("\r").split("\t")
-        want = _HEADERS[task]
+        want = list(fmt.header)
         if header[: len(want)] != want:
             raise GlueFormatError(f"{path}:1: unexpected header {header!r}; expected {want!r}")
-        if task in _LAST_HEADER and header[-1] != _LAST_HEADER[task]:
+        if fmt.last_header is not None and header[-1] != fmt.last_header:
             raise GlueFormatError(f"{path}:1: the last header column is {header[-1]!r}; expected "
-                                  f"{_LAST_HEADER[task]!r}")
+                                  f"{fmt.last_header!r}")
         first = 1
-    ncols = _NCOLS[task] or len(lines[0].rstrip("\r").split("\t"))
+    ncols = fmt.ncols or len(lines[0].rstrip("\r").split("\t"))
     out = []
     for lineno in range(first + 1, len(lines) + 1):
         line = lines[lineno - 1].rstrip("\r")
@@ -172,47 +237,7 @@ def _read_file(task: str, path: Path, start_idx: int) -> list[GlueExample]:
             raise GlueFormatError(f"{where}: expected {ncols} tab-separated columns, found {len(cols)}")
         row = start_idx + len(out)
         try:
-            out.append(_parse(task, cols, row))
+            out.append(fmt.parse(cols, row))
         except (ValueError, KeyError) as e:
             raise GlueFormatError(f"{where}: {e}") from None
     return out
-
-
-def _int_label(s: str, allowed=(0, 1)) -> int:
-    v = int(s.strip())
-    if v not in allowed:
-        raise ValueError(f"label {s!r} not in {allowed}")
-    return v
-
-
-def _named_label(s: str, labels: dict[str, int], what: str) -> int:
-    lab = s.strip()
-    if lab not in labels:
-        raise ValueError(f"{what} {lab!r} not in {sorted(labels)}")
-    return labels[lab]
-
-
-def _parse(task: str, c: list[str], row: int) -> GlueExample:
-    if task == "cola":
-        return GlueExample(c[3].strip(), None, _int_label(c[1]), row)
-    if task == "sst2":
-        return GlueExample(c[0].strip(), None, _int_label(c[1]), row)
-    if task == "mrpc":
-        return GlueExample(c[3].strip(), c[4].strip(), _int_label(c[0]), row)
-    if task == "rte":
-        return GlueExample(c[1].strip(), c[2].strip(), _named_label(c[3], RTE_LABELS, "RTE label"), int(c[0]))
-    if task == "stsb":
-        score = float(c[9])
-        if not 0.0 <= score <= 5.0:
-            raise ValueError(f"STS-B score {score} outside [0, 5]")
-        return GlueExample(c[7].strip(), c[8].strip(), score, int(c[0]))
-    if task == "qqp":
-        return GlueExample(c[3].strip(), c[4].strip(), _int_label(c[5]), int(c[0]))
-    if task == "qnli":
-        return GlueExample(c[1].strip(), c[2].strip(), _named_label(c[3], RTE_LABELS, "QNLI label"), int(c[0]))
-    if task == "mnli":
-        label = _named_label(c[-1], MNLI_LABELS, "MNLI gold label")  # gold_label: last column of train and dev
-        return GlueExample(c[8].strip(), c[9].strip(), label, int(c[0]))
-    if task == "wnli":
-        return GlueExample(c[1].strip(), c[2].strip(), _int_label(c[3]), int(c[0]))
-    raise ValueError(task)

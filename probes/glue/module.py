@@ -278,7 +278,7 @@ class SequenceClassifier(pl.LightningModule):
         self.tokenizer.save_pretrained(d)
         info = dict(task=self.task, num_labels=self.spec.num_labels, main_metric=self.spec.main_metric,
                     pooling=self.hparams.pooling, encoder=self.encoder_name,
-                    freeze_encoder=bool(self.hparams.freeze_encoder))
+                    freeze_encoder=bool(self.hparams.freeze_encoder), layer_decay=float(self.hparams.layer_decay))
         (d / EXPORT_INFO).write_text(json.dumps(info, indent=1))
         log.info("saved Hugging Face model to %s", d)
         return d
