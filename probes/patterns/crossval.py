@@ -86,7 +86,8 @@ def scores_from_confusion(cm: np.ndarray, min_support: int = 5) -> dict[str, np.
     f1 = np.divide(2 * prec * rec, prec + rec, out=np.zeros_like(tp), where=(prec + rec) > 0)
     present = gold >= min_support
     return dict(precision=prec, recall=rec, f1=f1, support=gold, accuracy=float(tp.sum() / max(cm.sum(), 1)),
-                macro_f1=float(f1[gold > 0].mean()), macro_f1_supported=float(f1[present].mean()))
+                macro_f1=float(f1[gold > 0].mean()) if (gold > 0).any() else float("nan"),
+                macro_f1_supported=float(f1[present].mean()) if present.any() else float("nan"))
 
 
 def bootstrap(gold: np.ndarray, pred: np.ndarray, n_classes: int, n_boot: int = 2000, seed: int = 0,
@@ -104,7 +105,7 @@ def bootstrap(gold: np.ndarray, pred: np.ndarray, n_classes: int, n_boot: int = 
         f1s.append(s["f1"])
         acc.append(s["accuracy"])
         macro.append(s["f1"][full.sum(1) > 0].mean())
-        macro_s.append(s["f1"][supported].mean())
+        macro_s.append(s["f1"][supported].mean() if supported.any() else np.nan)  # no class with min_support maps
     q = lambda a: np.percentile(np.asarray(a), [2.5, 97.5], axis=0)  # noqa: E731
     return dict(f1=q(f1s), accuracy=q(acc), macro_f1=q(macro), macro_f1_supported=q(macro_s))
 
