@@ -102,9 +102,11 @@ def profile_figure(df: pd.DataFrame):
             t = blocks[(blocks.task == task) & (blocks.decay == d)].sort_values("layer")
             if t.empty:
                 continue
-            c = cmap(0.5 if len(decays) == 1 else decays.index(d) / (len(decays) - 1))
+            # one learning rate: black; top layers faster (decay < 1): red; bottom layers faster: blue
+            c = "k" if d == 1 else cmap(0.0 if d > 1 else 1.0)
+            what = "one lr" if d == 1 else "top layers faster" if d < 1 else "bottom layers faster"
             for i, (col, _) in enumerate(rows):
-                axes[i, j].plot(t.layer, t[col], "o-", color=c, label=f"decay {d:g}")
+                axes[i, j].plot(t.layer, t[col], "o-", color=c, label=f"decay {d:g} ({what})")
         axes[0, j].set_title(task, fontsize=10)
         axes[-1, j].set_xlabel("layer (1-based)")
         axes[-1, j].set_xticks(sorted(set(blocks.layer)))
