@@ -8,8 +8,11 @@ The sentences: the first ``--sentences`` of the split (file order) with at most 
 ``measures``) runs the extractor's own step (``AttentionExtractor.word_maps``: the measure on padded
 length batches, then word pooling to float16) over all of them, in fp32 under inference mode, after an
 untimed warm-up on one sentence; the best of ``--repeats`` passes is kept. Timed: forwards, the measure, pooling.
-Not timed: tokenization, batching, model loading. Prints seconds, sentences/s and the ratio to
-``attention`` side by side; ``--out`` writes the same as JSON.
+Not timed: tokenization, batching, model loading. Two clocks: wall time and the process's CPU time
+(``time.process_time``, all its threads). On a machine shared with other jobs the wall time depends on
+the contention each kind happened to meet; the CPU time much less so (run with one thread,
+``OMP_NUM_THREADS=1``, to compare like with like). Prints both, sentences/s and both ratios to
+``attention`` side by side, and the load average before and after; ``--out`` writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -40,18 +43,27 @@ def load(encoder_spec: str, split: str, data_dir: str):
     return instantiate(cfg.encoder), words, OmegaConf.to_container(cfg.extract, resolve=True)
 
 
-def time_kind(extractor, batches, warm, repeats: int) -> float:
+def time_kind(extractor, batches, warm, repeats: int) -> tuple[float, float]:
+    """(best wall seconds, best CPU seconds) of ``repeats`` passes over ``batches`` after a warm-up."""
     import torch
 
     with torch.inference_mode():
         extractor.word_maps(warm)  # warm-up: one sentence
-        best = float("inf")
+        wall = cpu = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for b in batches:
                 extractor.word_maps(b)
-            best = min(best, time.perf_counter() - t0)
-    return best
+            wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return wall, cpu
+
+
+def load_average() -> list[float]:
+    """1-, 5- and 15-minute load averages (empty where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,26 +100,32 @@ def main(argv: list[str] | None = None) -> int:
     model = enc.model.to(device).eval()
     kinds = args.kinds or list(xcfg["measures"])
     results = {}
+    load_before = load_average()
     for kind in kinds:
         measure = build(kind, xcfg["measures"])
         ex = AttentionExtractor(model, enc.num_layers, None if kind == "attention" else measure)
-        sec = time_kind(ex, batches, warm, args.repeats)
-        results[kind] = dict(seconds=sec, sentences_per_s=len(items) / sec)
-        print(f"{kind:>18}: {sec:8.2f} s  {len(items) / sec:8.2f} sent/s", flush=True)
+        sec, cpu = time_kind(ex, batches, warm, args.repeats)
+        results[kind] = dict(seconds=sec, cpu_seconds=cpu, sentences_per_s=len(items) / sec, load=load_average())
+        print(f"{kind:>18}: {sec:8.2f} s wall  {cpu:8.2f} s CPU  {len(items) / sec:8.2f} sent/s  "
+              f"load {results[kind]['load']}", flush=True)
     base = results.get("attention", {}).get("seconds")
+    base_cpu = results.get("attention", {}).get("cpu_seconds")
     n_pieces = sum(lengths)
     print(f"\n{enc.name}, {args.split}: first {len(items)} sentences with <= {args.max_pieces} pieces "
           f"({n_pieces} pieces, mean {n_pieces / max(len(items), 1):.1f}); {device}, fp32, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print(f"{'kind':>18} | {'seconds':>8} | {'sent/s':>8} | {'x attention':>11}")
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"load average {load_before} before, {load_average()} after")
+    print(f"{'kind':>18} | {'wall s':>8} | {'CPU s':>8} | {'sent/s':>8} | {'x attn (wall)':>13} | {'x attn (CPU)':>12}")
     for kind, r in results.items():
-        ratio = r["seconds"] / base if base else float("nan")
-        r["ratio_to_attention"] = ratio
-        print(f"{kind:>18} | {r['seconds']:8.2f} | {r['sentences_per_s']:8.2f} | {ratio:11.1f}")
+        r["ratio_to_attention"] = r["seconds"] / base if base else float("nan")
+        r["cpu_ratio_to_attention"] = r["cpu_seconds"] / base_cpu if base_cpu else float("nan")
+        print(f"{kind:>18} | {r['seconds']:8.2f} | {r['cpu_seconds']:8.2f} | {r['sentences_per_s']:8.2f} | "
+              f"{r['ratio_to_attention']:13.1f} | {r['cpu_ratio_to_attention']:12.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(encoder=enc.name, split=args.split, n_sentences=len(items),
                                                   n_pieces=n_pieces, max_pieces=args.max_pieces, device=device,
-                                                  threads=torch.get_num_threads(), results=results), indent=1))
+                                                  threads=torch.get_num_threads(), load_before=load_before,
+                                                  load_after=load_average(), results=results), indent=1))
     return 0
 
 

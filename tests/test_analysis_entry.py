@@ -62,7 +62,9 @@ def test_analysis_in_process_tiny(tiny_cfg, tmp_path, analysis):
         df = pd.read_csv(out / "head_stats.csv")
         assert len(df[df.stat == "cls"]) == L * H
         assert df.layer.min() == 0 and df.layer.max() == L - 1 and df["head"].max() == H - 1
-        assert summary["n_sentences"] == 3
+        # default input: pairs of consecutive sentences; the third (odd) sentence has no partner
+        assert (summary["input"], summary["n_sequences"], summary["n_sentences"]) == ("pair", 1, 2)
+        assert set(df.stat) >= {"sep_sep", "rest_sep"}
     elif analysis == "dep_heads":
         table = pd.read_csv(out / "dep_table.csv")
         assert table.relation.tolist() == ["all"]  # min_count 100 > any relation here
@@ -114,7 +116,8 @@ def test_cli_end_to_end(tmp_path, analysis):
         # every row's entropy is at most log T, so the mean is at most the uniform reference
         assert (wide.entropy > 0).all() and (wide.entropy <= wide.uniform_entropy + 1e-5).all()
         assert (wide.cls_entropy <= wide.uniform_entropy.max() + 1e-5).all()
-        assert summary["n_sentences"] == 20
+        assert summary["n_input_sentences"] == 20 and 0 < summary["n_sentences"] <= 20
+        assert wide.sep_sep.between(0, 1).all() and wide.rest_sep.between(0, 1).all()
         assert set(pngs) == {"head_stats_heatmaps.png", "head_stats_layers.png"}
     elif analysis == "dep_heads":
         table = pd.read_csv(out / "dep_table.csv")
@@ -131,7 +134,7 @@ def test_cli_end_to_end(tmp_path, analysis):
 
 def test_head_stats_skips_sentences_longer_than_the_encoder(tiny_cfg, tmp_path):
     """Sentences over encoder.max_length pieces are skipped and counted (s2 has 13 pieces with specials)."""
-    cfg = tiny_cfg("head_stats", "encoder.max_position_embeddings=8")
+    cfg = tiny_cfg("head_stats", "encoder.max_position_embeddings=8", "analysis.pairs=false")
     instantiate(cfg.analysis)(AnalysisContext(cfg, tmp_path / "out"))
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["n_sentences"], summary["n_skipped"], summary["n_input_sentences"]) == (2, 1, 3)
@@ -146,7 +149,7 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
     from transformers import AutoModel
 
     from probes.analysis.clark.head_stats import wordpiece_attention
-    from probes.analysis.clark.metrics import is_punct_piece
+    from probes.analysis.clark.metrics import is_period_comma
 
     tiny = pytest.importorskip("probes.model.tiny")
     folder = tiny.tiny_folder(family, root=tmp_path / "models")
@@ -165,7 +168,7 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
         torch.testing.assert_close(attn, want, rtol=1e-4, atol=1e-6)
         toks = enc.tokenizer.convert_ids_to_tokens(ids)
         assert not punct[0] and not punct[-1] and len(punct) == T
-        assert punct[1:-1] == [is_punct_piece(t) for t in toks[1:-1]]
-        n_punct = {0: 1, 1: 3, 2: 0}[i]
+        assert punct[1:-1] == [is_period_comma(t) for t in toks[1:-1]]
+        n_punct = {0: 1, 1: 2, 2: 0}[i]  # '.' and ',' only (Clark's punctuation), not '!'
         assert sum(punct) == n_punct, (toks, punct)
     assert seen == {0, 1, 2}

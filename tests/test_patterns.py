@@ -324,10 +324,24 @@ def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
             "analysis=pattern_types", "encoder=tiny", f"paths.data_dir={tmp_path / 'data'}", "logger.use_wandb=false",
             f"analysis.classifier={metrics['best_checkpoint']}", "analysis.task=rte", "analysis_device=cpu",
             f"analysis.checkpoint={ft.parent}", "analysis.min_length=16", f"analysis.confusion={conf_dir}",
-            "analysis.n_boot=50"])
+            "analysis.n_boot=50", f"paths.cache_dir={tmp_path / 'cache'}"])
     out = tmp_path / "out"
     run_analysis(cfg, out)
     df = pd.read_csv(out / "pattern_types.csv")
+    L, H = cfg.encoder.num_hidden_layers, cfg.encoder.num_attention_heads
+    # the per-head predictions were cached (one file per model); a second run reads them and agrees exactly
+    cached = sorted((tmp_path / "cache" / "pattern_types").glob("*.npz"))
+    assert len(cached) == 2
+    for f in cached:  # poison the cache: the second run must take its numbers from these files
+        z = dict(np.load(f))
+        assert z["pred"].shape == (2, L, H) and bool(z["complete"])
+        z["pred"] = z["pred"] * 0
+        with open(f, "wb") as fh:
+            np.savez(fh, **z)
+    cfg.analysis.max_examples = 1  # a prefix of the stored examples: read, not recomputed
+    run_analysis(cfg, tmp_path / "out2")
+    again = pd.read_csv(tmp_path / "out2" / "pattern_types.csv")
+    assert (again[again.pattern == CLASSES[0]].share == 1).all() and (again["count"].sum() == 2 * L * H)
     assert set(df.model) == {"pre-trained", "fine-tuned"} and set(df.pattern) == set(CLASSES)
     assert df.groupby("model").share.sum().round(6).eq(1).all()
     L, H = cfg.encoder.num_hidden_layers, cfg.encoder.num_attention_heads

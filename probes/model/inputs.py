@@ -142,3 +142,55 @@ def pool_attention(attn: torch.Tensor, from_mat: torch.Tensor, to_mat: torch.Ten
 
     Returns (B, K, W, W)."""
     return from_mat.unsqueeze(1) @ attn @ to_mat.unsqueeze(1).transpose(-1, -2)
+
+
+def encode_word_pairs(tokenizer, pairs: Sequence[tuple[Sequence[str], Sequence[str]]]) -> list[Encoded]:
+    """Sentence pairs of pre-split words as the tokenizer joins two segments: ``[CLS] A [SEP] B [SEP]``
+    (RoBERTa-style: ``<s> A </s></s> B </s>``), with its token types (None where it has none).
+
+    ``word_of_piece``: -1 for the first special token, 0..nA-1 for A's words, nA..nA+nB-1 for B's,
+    ``n_words`` = nA + nB for every other special token (the separator(s) between the segments and
+    the last one), so pooling puts every separator into the last special row.
+    """
+    pairs = [(list(a), list(b)) for a, b in pairs]
+    if not pairs:
+        return []
+    out = tokenizer([a for a, _ in pairs], [b for _, b in pairs], is_split_into_words=True, add_special_tokens=True)
+    encoded = []
+    for k, (a, b) in enumerate(pairs):
+        ids, wids, seq = out["input_ids"][k], out.word_ids(k), out.sequence_ids(k)
+        tt = list(out["token_type_ids"][k]) if "token_type_ids" in out else None
+        got = {(s, w) for s, w in zip(seq, wids) if w is not None}
+        if got != {(0, w) for w in range(len(a))} | {(1, w) for w in range(len(b))} or wids[0] is not None \
+                or wids[-1] is not None:
+            ids, wids, seq, tt = _pair_word_by_word(tokenizer, a, b)
+        n = len(a) + len(b)
+        wop = [-1 if i == 0 else n if w is None else w + (len(a) if s == 1 else 0)
+               for i, (w, s) in enumerate(zip(wids, seq))]
+        encoded.append(Encoded(list(ids), wop, n, tt))
+    return encoded
+
+
+def _pair_word_by_word(tokenizer, a: list[str], b: list[str]):
+    """(ids, word ids, sequence ids, token types) of a pair from :func:`encode_words`' pieces of each
+    segment, joined by the tokenizer's own pair template (its specials and token types around 'a', 'b')."""
+    t = tokenizer("a", "b", add_special_tokens=True)
+    t_ids, t_seq = list(t["input_ids"]), list(t.sequence_ids())
+    t_tt = list(t["token_type_ids"]) if "token_type_ids" in t else None
+    ea, eb = encode_words(tokenizer, [a, b])
+    segs = {0: (ea.input_ids[1:-1], ea.word_of_piece[1:-1]), 1: (eb.input_ids[1:-1], eb.word_of_piece[1:-1])}
+    ids, wids, seq, tt, done = [], [], [], [] if t_tt is not None else None, set()
+    for i, s in enumerate(t_seq):
+        if s is None:
+            ids.append(t_ids[i]), wids.append(None), seq.append(None)
+            if tt is not None:
+                tt.append(t_tt[i])
+        elif s not in done:  # the template's pieces of 'a' / 'b' -> the segment's pieces
+            done.add(s)
+            p, w = segs[s]
+            ids += p
+            wids += w
+            seq += [s] * len(p)
+            if tt is not None:
+                tt += [t_tt[i]] * len(p)
+    return ids, wids, seq, tt

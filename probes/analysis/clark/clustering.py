@@ -1,13 +1,15 @@
 """``analysis=clustering``: distances between heads and their 2-D embedding (Clark et al. §5, Fig 6).
 
-Wordpiece level (as Clark, who used wordpiece maps of unlabeled text), live encoder, each sentence
-alone as ``[CLS] s [SEP]`` (the family's special tokens; sentences longer than ``encoder.max_length``
-pieces are skipped and counted). The distance between heads a and b is the Jensen-Shannon
-divergence (bits, :func:`probes.analysis.stats.js_divergence_matrix`; at most 1 per token) of their
-attention distributions summed over every attending token of every sentence (``js`` column;
-``js_per_token`` divides by the number of tokens). The symmetric matrix is
-embedded in 2-D by metric multidimensional scaling (scikit-learn ``MDS`` on the precomputed
-dissimilarities, seeded).
+Wordpiece level (as Clark, who used wordpiece maps of unlabeled text), live encoder, on the inputs of
+``analysis=head_stats`` (``pairs``: by default two consecutive sentences as ``[CLS] A [SEP] B [SEP]``,
+Clark's input form; else each sentence alone; sequences longer than ``encoder.max_length`` pieces are
+skipped and counted). As Clark's ``head_distances.py``: every attention row is smoothed,
+``(1 - s) a + s / T`` with ``smoothing`` s = 0.001, and the distance between heads a and b is the
+Jensen-Shannon divergence (nats; :func:`probes.analysis.stats.js_divergence_matrix` x ln 2) of their
+smoothed rows summed over every attending token of every sequence (``js`` column; ``js_per_token``
+divides by the number of tokens). The symmetric matrix is embedded in 2-D by metric multidimensional
+scaling with Clark's settings (scikit-learn ``MDS`` on the precomputed dissimilarities, ``n_init=5``,
+``max_iter=1000``, ``eps=1e-10``; seeded here, unseeded there).
 
 Behaviour of a head (colours of the second plot), from the same pass's head_stats-style statistics:
 the largest of the mean attention to the previous token, next token, [CLS], [SEP] and punctuation
@@ -35,11 +37,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.analysis.clark.head_stats import wordpiece_attention
-from probes.analysis.clark.metrics import HeadStatsAccumulator
+from probes.analysis.clark.head_stats import encode_inputs, separator_positions, sequence_attention
+from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, punct_positions, smooth
 from probes.analysis.naming import head_name
-from probes.analysis.clark.metrics import punct_positions
-from probes.analysis.stats import js_divergence_matrix
+from probes.analysis.stats import LN2, js_divergence_matrix
 from probes.measures import from_config
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,14 @@ def classify_heads(stats: dict[str, np.ndarray], uniform_entropy: float, behavio
     return labels.astype(object)
 
 
-def mds_embedding(dist: np.ndarray, seed: int = 0, n_init: int = 4, max_iter: int = 300) -> tuple[np.ndarray, float]:
-    """2-D metric MDS of a precomputed dissimilarity matrix; returns (coords (K, 2), stress)."""
+def mds_embedding(dist: np.ndarray, seed: int = 0, n_init: int = 5, max_iter: int = 1000,
+                  eps: float = 1e-10) -> tuple[np.ndarray, float]:
+    """2-D metric MDS of a precomputed dissimilarity matrix (defaults: Clark's ``n_init=5, max_iter=1000,
+    eps=1e-10``); returns (coords (K, 2), stress)."""
     from sklearn.manifold import MDS
 
     params = inspect.signature(MDS).parameters
-    kw = dict(n_components=2, n_init=n_init, max_iter=max_iter, random_state=seed)
+    kw = dict(n_components=2, n_init=n_init, max_iter=max_iter, eps=eps, random_state=seed)
     if "metric_mds" in params:  # scikit-learn >= 1.8: `dissimilarity` renamed `metric`
         kw.update(metric="precomputed", metric_mds=True)
     else:
@@ -105,31 +108,31 @@ def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
     return fig
 
 
-def wordpiece_maps(enc, measure, words, device: str, max_tokens: int, max_batch_size: int):
-    """Like :func:`~probes.analysis.clark.head_stats.wordpiece_attention` for any map kind: yield ``(index,
-    maps (L, H', T, T) with rows normalised to sum 1, punct (T,))``; sentences longer than the encoder's
-    (or the measure's) maximum are skipped."""
+def wordpiece_maps(enc, measure, encoded, device: str, max_tokens: int, max_batch_size: int):
+    """Like :func:`~probes.analysis.clark.head_stats.sequence_attention` for any map kind: yield ``(index,
+    maps (L, H', T, T) with rows normalised to sum 1, punct (T,), sep (T,))`` of the encoded sequences;
+    those longer than the encoder's (or the measure's) maximum are skipped."""
     from probes.measures import iter_maps
     from probes.model.families import is_byte_level
-    from probes.model.inputs import encode_words
 
     tok = enc.tokenizer
-    encoded = encode_words(tok, [list(w) for w in words])
     limit = min(enc.max_length, measure.max_pieces or enc.max_length)
     keep = [i for i, e in enumerate(encoded) if e.n_pieces <= limit]
     if len(keep) < len(encoded):
-        log.warning("%d of %d sentences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
+        log.warning("%d of %d sequences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
                     len(encoded), limit)
     items, byte_level = [encoded[i] for i in keep], is_byte_level(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     for k, m in iter_maps(measure, enc.model, items, pad, device, max_tokens, max_batch_size, desc="clustering"):
         m = m.float()
-        yield keep[k], m / m.sum(-1, keepdim=True).clamp(min=1e-12), punct_positions(tok, items[k].input_ids, byte_level)
+        yield (keep[k], m / m.sum(-1, keepdim=True).clamp(min=1e-12),
+               punct_positions(tok, items[k].input_ids, byte_level), separator_positions(items[k]))
 
 
-def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max_tokens: int = 4096,
-               max_batch_size: int = 64, behaviour_threshold: float = 0.5, broad_fraction: float = 0.75,
-               mds_n_init: int = 4, mds_max_iter: int = 300) -> pd.DataFrame:
+def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
+               smoothing: float = JS_SMOOTHING, max_tokens: int = 4096, max_batch_size: int = 64,
+               behaviour_threshold: float = 0.5, broad_fraction: float = 0.75, mds_n_init: int = 5,
+               mds_max_iter: int = 1000, mds_eps: float = 1e-10) -> pd.DataFrame:
     """Compute JS distances between all heads, embed them, save tables and plots; returns the embedding."""
     t0 = time.time()
     enc = ctx.encoder
@@ -137,25 +140,27 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max
     L, H = enc.num_layers, measure.heads(enc.num_heads)
     K = L * H
     sentences = ctx.sentences(split, max_sentences)
-    total = torch.zeros(K, K, dtype=torch.float64)  # (K, K) JS divergences in bits, summed over tokens
+    total = torch.zeros(K, K, dtype=torch.float64)  # (K, K) JS divergences in nats, summed over tokens
     stats_acc = HeadStatsAccumulator()
-    n_tokens = 0
-    words = [s.words for s in sentences]
-    maps = wordpiece_attention(enc, words, device=ctx.device, max_tokens=max_tokens, max_batch_size=max_batch_size,
-                               desc="clustering") if kind == "attention" else \
-        wordpiece_maps(enc, measure, words, ctx.device, max_tokens, max_batch_size)
-    for _, attn, punct in maps:
+    n_tokens = n_used = 0
+    encoded, members = encode_inputs(enc.tokenizer, sentences, pairs)
+    maps = sequence_attention(enc, encoded, device=ctx.device, max_tokens=max_tokens, max_batch_size=max_batch_size,
+                              desc="clustering") if kind == "attention" else \
+        wordpiece_maps(enc, measure, encoded, ctx.device, max_tokens, max_batch_size)
+    for i, attn, punct, sep in maps:
         T = attn.shape[-1]  # attn (L, H, T, T)
-        total += js_divergence_matrix(attn.reshape(K, T, T)).cpu()
-        stats_acc.add(attn, punct)
+        total += js_divergence_matrix(smooth(attn.reshape(K, T, T), smoothing)).cpu() * LN2
+        stats_acc.add(attn, punct, sep)
         n_tokens += T
+        n_used += len(members[i])
     dist = total.numpy()
     la, ha = np.divmod(np.arange(K), H)
     js = pd.DataFrame(dict(layer_a=np.repeat(la, K), head_a=np.repeat(ha, K), layer_b=np.tile(la, K),
                            head_b=np.tile(ha, K), js=dist.reshape(-1), js_per_token=dist.reshape(-1) / max(n_tokens, 1)))
     ctx.save_table(js, "js_distances")
 
-    coords, stress = mds_embedding(dist, seed=int(ctx.cfg.get("seed", 0)), n_init=mds_n_init, max_iter=mds_max_iter)
+    coords, stress = mds_embedding(dist, seed=int(ctx.cfg.get("seed", 0)), n_init=mds_n_init, max_iter=mds_max_iter,
+                                   eps=mds_eps)
     stats = stats_acc.result()
     labels = classify_heads(stats, stats_acc.uniform_entropy, behaviour_threshold, broad_fraction)
     emb = pd.DataFrame(dict(layer=la, head=ha, name=[head_name(l, h) for l, h in zip(la, ha)],
@@ -173,8 +178,10 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max
     off_diag = ~np.eye(K, dtype=bool)
     nn = np.where(off_diag, dist, np.inf).argmin(1)
     ctx.log_summary(dict(
-        analysis="clustering", split=split, encoder=enc.name, maps=kind, level="wordpiece", js_unit="bits",
-        n_sentences=stats_acc.n, n_skipped=len(sentences) - stats_acc.n, n_tokens=n_tokens, mds_stress=stress,
+        analysis="clustering", split=split, encoder=enc.name, maps=kind, level="wordpiece", js_unit="nats",
+        input="pair" if pairs else "single", smoothing=smoothing, n_sequences=stats_acc.n,
+        n_skipped=len(encoded) - stats_acc.n, n_sentences=n_used, n_input_sentences=len(sentences),
+        n_tokens=n_tokens, mds_stress=stress,
         mds_stress1=kruskal_stress(dist, coords),
         mean_js_per_token_same_layer=float(dist[same & off_diag].mean() / max(n_tokens, 1)) if L * H > L else None,
         mean_js_per_token_other_layer=float(dist[~same].mean() / max(n_tokens, 1)) if L > 1 else None,
@@ -183,5 +190,5 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, max
         behaviour_counts={str(k): int(v) for k, v in emb.behaviour.value_counts().items()},
         behaviour_threshold=behaviour_threshold, broad_fraction=broad_fraction,
         uniform_entropy=stats_acc.uniform_entropy, seconds=round(time.time() - t0, 1)))
-    log.info("clustering: %d sentences, %d heads in %.1fs", stats_acc.n, K, time.time() - t0)
+    log.info("clustering: %d sequences, %d heads in %.1fs", stats_acc.n, K, time.time() - t0)
     return emb

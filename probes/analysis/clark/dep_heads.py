@@ -9,9 +9,11 @@ the word itself and to [CLS]/[SEP] (Clark's ``attn_head_predictor``), in two dir
 
 A prediction is correct when it is the gold head. Per relation the best (layer, head, direction)
 is reported, like the paper's Table 1, against fixed-offset baselines (word j predicts word
-j + offset clipped into the sentence, offsets -3..+2 as in Clark's code; offset 0 predicts the word
-itself and is never right). Words attached to the root and relations in ``exclude`` (``root``,
-``punct``, like the paper's table) are left out of every row including ``all``; Clark's code kept
+j + offset, offsets -3..+2, clipped to ROOT (0) on the left and to the last word on the right, as
+Clark's ``offset_predictor``: ``max(0, min(j + offset, n))``; a ROOT prediction is never right here,
+since words attached to the root are not scored; offset 0 predicts the word itself and is never
+right). Words attached to the root and relations in ``exclude`` (``root``, ``punct``, like the
+paper's table) are left out of every row including ``all``; Clark's code kept
 them in ``all``. Possessives: as in Clark's code, a ``nmod:poss`` dependent followed by ``'s``/``'``
 is scored by the clitic's prediction (``poss_relations``).
 

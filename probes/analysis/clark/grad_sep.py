@@ -3,7 +3,8 @@
 For every attention probability ``A[l, b, h, i, j]`` (layer l, head h, from wordpiece i to wordpiece j)
 the gradient ``dLoss/dA`` is taken and averaged per layer over the probabilities whose *target*
 ``j`` is [SEP] (the family's separator: ``[SEP]``, RoBERTa's ``</s>``), a period/comma (``punct``:
-pieces ``.`` / ``,`` once the marker ``##`` / ``Ġ`` / ``▁`` is stripped), or any other token
+pieces ``.`` / ``,`` once the marker ``##`` / ``Ġ`` / ``▁`` is stripped, Clark's definition, the same as
+``analysis=head_stats``: :func:`probes.analysis.clark.metrics.is_period_comma`), or any other token
 (``other``, [CLS] included); the three targets are disjoint and every valid (non-padding) row i and
 column j counts.
 
@@ -46,7 +47,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.clark.metrics import piece_strings, piece_text
+from probes.analysis.clark.metrics import is_period_comma, piece_strings
 from probes.model import hooks
 from probes.model.families import is_byte_level, usable_max_length
 from probes.model.inputs import Encoded, encode_texts, encode_words, length_batches, pad
@@ -55,7 +56,6 @@ from probes.model.load import MissingHeadError
 log = logging.getLogger(__name__)
 
 TARGETS = ("sep", "punct", "other")
-PUNCT = frozenset({".", ","})
 
 
 @dataclass
@@ -241,7 +241,7 @@ class Targets:
         """The ids among ``ids`` that are a '.' or ',' piece (marker stripped; specials never)."""
         new = [i for i in torch.unique(ids).tolist() if i not in self._punct]
         for i, t in zip(new, piece_strings(self.tokenizer, new, self.byte_level)):
-            self._punct[i] = i not in self.special and piece_text(t) in PUNCT
+            self._punct[i] = i not in self.special and is_period_comma(t)
         return [i for i, p in self._punct.items() if p]
 
     def masks(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,19 +1,24 @@
 """``analysis=head_stats``: surface-level attention statistics per head (Clark et al. §3, Figs 1, 2, 4).
 
-Wordpiece level, live encoder, each sentence alone as ``[CLS] s [SEP]`` (tokenized from the
-treebank words; [CLS] / [SEP] stand for the family's first and last special tokens, e.g. <s> / </s>,
-always at positions 0 and T - 1). Sentences longer than ``encoder.max_length`` pieces are skipped
-(counted in the log and in ``summary.json``). For every head (0-based ``layer``, ``head`` in files;
-1-based ``layer-head`` in figures), averaged over attending tokens within a sentence and then over
-sentences (as Clark's code):
+Wordpiece level, live encoder. Input (``pairs``): by default Clark's form, two consecutive treebank
+sentences of one document as one sequence ``[CLS] A [SEP] B [SEP]`` (the tokenizer's own pair form,
+e.g. ``<s> A </s></s> B </s>``; :func:`probes.model.inputs.encode_word_pairs`; pairs (1, 2), (3, 4),
+... of each document, a document's odd last sentence is left out), so that attention from [SEP] to
+[SEP] and from the other tokens to [SEP] can be told apart (Fig 2's middle panel); ``pairs: false``
+reads each sentence alone as ``[CLS] s [SEP]``. [CLS] / [SEP] stand for the family's first special
+token and its separators. Sequences longer than ``encoder.max_length`` pieces are skipped (counted in
+the log and in ``summary.json``). For every head (0-based ``layer``, ``head`` in files; 1-based
+``layer-head`` in figures), averaged over the attending tokens of a sequence and then over sequences,
+as Clark's ``General_Analysis.ipynb`` (:func:`probes.analysis.clark.metrics.sentence_head_stats`):
 
 * ``prev`` / ``self`` / ``next``: attention to the previous token / itself / the next token;
-* ``cls`` / ``sep``: total attention to [CLS] / [SEP];
-* ``punct``: total attention to punctuation pieces (only punctuation characters once the piece
-  marker ``##`` / ``Ġ`` / ``▁`` is stripped; see :func:`probes.analysis.clark.metrics.is_punct_piece`);
-* ``entropy``: mean entropy (nats) of the heads' attention distributions over all tokens;
-* ``cls_entropy``: entropy of the distribution of [CLS] alone;
-* ``uniform_entropy``: the Fig 4 reference, mean over sentences of log T (the entropy of uniform
+* ``cls`` / ``sep``: total attention to [CLS] / to the separators;
+* ``sep_sep`` / ``rest_sep``: total attention to the separators from a separator / from any other token;
+* ``punct``: total attention to ``.`` and ``,`` pieces (Clark's definition, marker ``##``/``Ġ``/``▁``
+  stripped; :func:`probes.analysis.clark.metrics.is_period_comma`);
+* ``entropy``: mean entropy (nats) of the heads' attention rows, smoothed as Clark's code
+  (0.9999 a + 0.0001 / T); ``cls_entropy``: entropy of the row of [CLS] alone;
+* ``uniform_entropy``: the Fig 4 reference, mean over sequences of log T (the entropy of uniform
   attention); the same value is repeated on every (layer, head) row so the table stays tidy.
 
 Outputs: ``head_stats.csv`` (layer, head, stat, value), ``head_stats_by_layer.csv`` (layer, stat,
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -34,7 +39,7 @@ from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, punc
 from probes.analysis.naming import head_name
 from probes.model import hooks
 from probes.model.families import is_byte_level
-from probes.model.inputs import encode_words
+from probes.model.inputs import Encoded, encode_word_pairs, encode_words
 
 log = logging.getLogger(__name__)
 
@@ -57,41 +62,92 @@ def by_layer(df: pd.DataFrame) -> pd.DataFrame:
     return (df.groupby(["layer", "stat"], sort=True)["value"].agg(["mean", "min", "max"]).reset_index())
 
 
-def wordpiece_attention(encoder, sentences, device: str = "cpu", max_tokens: int = 4096, max_batch_size: int = 64,
-                        desc: str = "attention") -> Iterator[tuple[int, torch.Tensor, list[bool]]]:
-    """Yield ``(index, attn (L, H, T, T) float32 on device, punct (T,))`` for every sentence (list of
-    words) that fits ``encoder.max_length`` pieces, each alone as ``[CLS] s [SEP]``, in length-batch
-    order; longer ones are skipped (logged). ``index`` is the sentence's position in ``sentences``."""
+def pair_indices(doc_ids: Sequence) -> list[tuple[int, int]]:
+    """Consecutive sentences of one document as pairs (0, 1), (2, 3), ... counted within each document
+    (``doc_ids``: one per sentence, in file order; None is a document of its own like any value); a
+    document's odd last sentence has no partner and is left out."""
+    pairs, i = [], 0
+    while i + 1 < len(doc_ids):
+        if doc_ids[i] == doc_ids[i + 1]:
+            pairs.append((i, i + 1))
+            i += 2
+        else:
+            i += 1
+    return pairs
+
+
+def encode_inputs(tokenizer, sentences, pairs: bool) -> tuple[list[Encoded], list[tuple[int, ...]]]:
+    """The encoded sequences of the treebank ``sentences`` and the sentence indices each holds:
+    ``pairs``: :func:`pair_indices` joined as ``[CLS] A [SEP] B [SEP]``; else each alone."""
+    if pairs:
+        idx = pair_indices([s.doc_id for s in sentences])
+        return encode_word_pairs(tokenizer, [(sentences[a].words, sentences[b].words) for a, b in idx]), idx
+    return encode_words(tokenizer, [list(s.words) for s in sentences]), [(i,) for i in range(len(sentences))]
+
+
+def separator_positions(e: Encoded) -> list[bool]:
+    """(T,) the separators of an encoded sequence: every special token after position 0 ([SEP] / </s>)."""
+    return [w == e.n_words for w in e.word_of_piece]
+
+
+def sequence_attention(encoder, encoded: Sequence[Encoded], device: str = "cpu", max_tokens: int = 4096,
+                       max_batch_size: int = 64, desc: str = "attention"
+                       ) -> Iterator[tuple[int, torch.Tensor, list[bool], list[bool]]]:
+    """Yield ``(index, attn (L, H, T, T) float32 on device, punct (T,), sep (T,))`` for every encoded
+    sequence that fits ``encoder.max_length`` pieces, in length-batch order; longer ones are skipped
+    (logged). ``index``: the sequence's position in ``encoded``."""
     tok = encoder.tokenizer
-    encoded = encode_words(tok, [list(w) for w in sentences])
     keep = [i for i, e in enumerate(encoded) if e.n_pieces <= encoder.max_length]
     if len(keep) < len(encoded):
-        log.warning("%d of %d sentences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
+        log.warning("%d of %d sequences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
                     len(encoded), encoder.max_length)
     byte_level = is_byte_level(tok)
     items = [encoded[i] for i in keep]
     for k, attn in hooks.iter_attention(encoder.model, items, tok.pad_token_id, device=device, max_tokens=max_tokens,
                                         max_batch_size=max_batch_size, desc=desc):
-        yield keep[k], attn, punct_positions(tok, items[k].input_ids, byte_level)
+        yield keep[k], attn, punct_positions(tok, items[k].input_ids, byte_level), separator_positions(items[k])
 
 
-def compute(encoder, sentences, device: str = "cpu", **batching) -> HeadStatsAccumulator:
-    """:class:`HeadStatsAccumulator` over the sentences (treebank ``Sentence`` objects) that fit."""
-    acc = HeadStatsAccumulator()
-    for _, attn, punct in wordpiece_attention(encoder, [s.words for s in sentences], device=device,
-                                              desc="head_stats", **batching):
-        acc.add(attn, punct)
-    return acc
+def wordpiece_attention(encoder, sentences, device: str = "cpu", max_tokens: int = 4096, max_batch_size: int = 64,
+                        desc: str = "attention") -> Iterator[tuple[int, torch.Tensor, list[bool]]]:
+    """:func:`sequence_attention` of every sentence (list of words) alone as ``[CLS] s [SEP]``:
+    ``(index, attn (L, H, T, T), punct (T,))``, ``index`` the sentence's position in ``sentences``."""
+    encoded = encode_words(encoder.tokenizer, [list(w) for w in sentences])
+    for i, attn, punct, _ in sequence_attention(encoder, encoded, device, max_tokens, max_batch_size, desc):
+        yield i, attn, punct
 
 
-def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, max_tokens: int = 4096,
-               max_batch_size: int = 64, top_k: int = 3) -> pd.DataFrame:
-    """Compute, save and plot the per-head statistics; returns the tidy table."""
+def compute(encoder, sentences, device: str = "cpu", pairs: bool = True, **batching
+            ) -> tuple[HeadStatsAccumulator, int, int]:
+    """(:class:`HeadStatsAccumulator` over the sequences that fit, their number of sentences, the number
+    of sequences) of the treebank ``Sentence`` objects (:func:`encode_inputs`)."""
+    encoded, members = encode_inputs(encoder.tokenizer, sentences, pairs)
+    acc, n_sentences = HeadStatsAccumulator(), 0
+    for i, attn, punct, sep in sequence_attention(encoder, encoded, device=device, desc="head_stats", **batching):
+        acc.add(attn, punct, sep)
+        n_sentences += len(members[i])
+    return acc, n_sentences, len(encoded)
+
+
+def titles() -> dict[str, str]:
+    """Panel titles of the statistics (the plots' defaults plus Fig 2's [SEP] panel)."""
+    from probes.analysis.plots import STAT_TITLES
+
+    return {**STAT_TITLES, "sep": "to [SEP] (all separators)", "sep_sep": "[SEP] -> [SEP]",
+            "rest_sep": "other -> [SEP]", "punct": "to . or ,"}
+
+
+def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
+               max_tokens: int = 4096, max_batch_size: int = 64, top_k: int = 3) -> pd.DataFrame:
+    """Compute, save and plot the per-head statistics; returns the tidy table.
+
+    ``max_sentences``: the first N sentences of the split (file order), paired when ``pairs``."""
     from probes.analysis import plots
 
     t0 = time.time()
     sentences = ctx.sentences(split, max_sentences)
-    acc = compute(ctx.encoder, sentences, device=ctx.device, max_tokens=max_tokens, max_batch_size=max_batch_size)
+    acc, n_sentences, n_sequences = compute(ctx.encoder, sentences, device=ctx.device, pairs=pairs,
+                                            max_tokens=max_tokens, max_batch_size=max_batch_size)
     stats = acc.result()
     stats = {k: stats[k] for k in HEAD_STATS}
     df = stats_table(stats, acc.uniform_entropy)
@@ -99,11 +155,12 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, max
     layer_df = by_layer(df[df.stat != "uniform_entropy"])
     ctx.save_table(layer_df, "head_stats_by_layer")
 
-    ctx.save_figure(plots.heatmaps(stats), "head_stats_heatmaps")
+    ctx.save_figure(plots.heatmaps(stats, titles=titles()), "head_stats_heatmaps")
     ctx.save_figure(plots.layer_curves(
-        stats, groups=[["cls", "sep", "punct"], ["prev", "self", "next"], ["entropy", "cls_entropy"]],
-        ylabels=["avg. attention", "avg. attention", "avg. entropy (nats)"],
-        hlines=[None, None, {"uniform": acc.uniform_entropy}]), "head_stats_layers")
+        stats, groups=[["cls", "sep", "punct"], ["rest_sep", "sep_sep"], ["prev", "self", "next"],
+                       ["entropy", "cls_entropy"]],
+        ylabels=["avg. attention", "avg. attention", "avg. attention", "avg. entropy (nats)"],
+        hlines=[None, None, None, {"uniform": acc.uniform_entropy}], titles=titles()), "head_stats_layers")
 
     top = {}
     for k, v in stats.items():
@@ -111,8 +168,9 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, max
         top[k] = [dict(name=head_name(*np.unravel_index(i, v.shape)), value=float(v.flat[i])) for i in flat]
     per_layer = {k: [float(x) for x in v.mean(1)] for k, v in stats.items()}
     ctx.log_summary(dict(analysis="head_stats", split=split, encoder=ctx.encoder.name,
-                         n_sentences=acc.n, n_input_sentences=len(sentences), n_skipped=len(sentences) - acc.n,
-                         uniform_entropy=acc.uniform_entropy, per_layer_mean=per_layer, top_heads=top,
-                         seconds=round(time.time() - t0, 1)))
-    log.info("head_stats: %d sentences in %.1fs", acc.n, time.time() - t0)
+                         input="pair" if pairs else "single", n_sequences=acc.n,
+                         n_skipped=n_sequences - acc.n, n_sentences=n_sentences,
+                         n_input_sentences=len(sentences), uniform_entropy=acc.uniform_entropy,
+                         per_layer_mean=per_layer, top_heads=top, seconds=round(time.time() - t0, 1)))
+    log.info("head_stats: %d sequences (%d sentences) in %.1fs", acc.n, n_sentences, time.time() - t0)
     return df

@@ -19,7 +19,14 @@ import torch
 
 from probes.analysis.stats import entropy
 
-HEAD_STATS = ("prev", "self", "next", "cls", "sep", "punct", "entropy", "cls_entropy")
+HEAD_STATS = ("prev", "self", "next", "cls", "sep", "sep_sep", "rest_sep", "punct", "entropy", "cls_entropy")
+# Clark et al.'s punctuation (General_Analysis.ipynb: ``token == "." or token == ","``), the same in head_stats,
+# clustering and grad_sep; a piece counts once its tokenizer marker is stripped (``Ġ,`` / ``▁.``).
+PERIOD_COMMA = frozenset({".", ","})
+# Smoothing of Clark's code: entropies use 0.9999 * a + 0.0001 / T ("to avoid NaNs"), the JS distances
+# between heads (head_distances.py) 0.999 * a + 0.001 / T.
+ENTROPY_SMOOTHING = 1e-4
+JS_SMOOTHING = 1e-3
 DIRECTIONS = ("dep2head", "head2dep")  # row of the dependent / column of the dependent (transposed map)
 
 
@@ -48,6 +55,11 @@ def is_punct_piece(token: str) -> bool:
     return bool(token) and all(c in string.punctuation or unicodedata.category(c).startswith("P") for c in token)
 
 
+def is_period_comma(token: str) -> bool:
+    """A ``.`` or ``,`` piece (:data:`PERIOD_COMMA`) once its marker is stripped (:func:`piece_text`)."""
+    return piece_text(token) in PERIOD_COMMA
+
+
 def piece_strings(tokenizer, ids: Sequence[int], byte_level: bool | None = None) -> list[str]:
     """The pieces of ``ids`` (T,) as :func:`is_punct_piece` reads them: ``convert_ids_to_tokens``; for
     byte-level BPE the piece's own characters (``ĠâĢľ`` -> ``“``) unless it holds part of a character.
@@ -68,35 +80,60 @@ def piece_strings(tokenizer, ids: Sequence[int], byte_level: bool | None = None)
 
 
 def punct_positions(tokenizer, ids: Sequence[int], byte_level: bool | None = None) -> list[bool]:
-    """(T,) punctuation pieces of one ``[first special] pieces [last special]`` sequence; the two
-    specials (positions 0 and T - 1) never count, whatever their strings."""
-    punct = [is_punct_piece(t) for t in piece_strings(tokenizer, ids, byte_level)]
+    """(T,) ``.`` / ``,`` pieces (:func:`is_period_comma`, Clark's definition) of one sequence; the
+    specials at positions 0 and T - 1 and any of the tokenizer's special ids never count."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    punct = [is_period_comma(t) and i not in special for t, i in zip(piece_strings(tokenizer, ids, byte_level), ids)]
     if punct:
         punct[0] = punct[-1] = False
     return punct
 
 
-def sentence_head_stats(attn: torch.Tensor, punct: torch.Tensor | Sequence[bool]) -> dict[str, torch.Tensor]:
-    """Per-head statistics of one sentence's wordpiece attention.
+def smooth(attn: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Clark's smoothing of attention rows: ``(1 - s) * attn + s / T`` (T = the last dim); rows still sum to 1."""
+    return (1.0 - smoothing) * attn + smoothing / attn.shape[-1]
 
-    attn: (L, H, T, T), [CLS] at 0 and [SEP] at T - 1; punct: (T,) bool, punctuation pieces.
-    Returns stat -> (L, H), each the mean over the attending tokens of one sentence:
-      prev / next: attention to position i - 1 / i + 1 (mean over the T - 1 tokens that have one),
-      self: attention to itself, cls / sep / punct: total attention to [CLS] / [SEP] / punctuation,
-      entropy: entropy of the attention distribution, cls_entropy: entropy of [CLS]'s distribution.
+
+def smoothed_entropy(attn: torch.Tensor, smoothing: float = ENTROPY_SMOOTHING) -> torch.Tensor:
+    """Entropy (nats) of every row of :func:`smooth` ``(attn)``, as Clark's General_Analysis.ipynb:
+    (..., T, T) -> (...,  T)."""
+    return entropy(smooth(attn.float(), smoothing))
+
+
+def sentence_head_stats(attn: torch.Tensor, punct: torch.Tensor | Sequence[bool],
+                        sep: torch.Tensor | Sequence[bool] | None = None,
+                        smoothing: float = ENTROPY_SMOOTHING) -> dict[str, torch.Tensor]:
+    """Per-head statistics of one sequence's wordpiece attention, as Clark's General_Analysis.ipynb.
+
+    attn: (L, H, T, T), [CLS] at 0; punct: (T,) bool, ``.`` / ``,`` pieces; sep: (T,) bool, the
+    separators ([SEP] / </s>: one at T - 1 for ``[CLS] s [SEP]``, two or three for a pair; None = T - 1).
+    Returns stat -> (L, H), means over the T attending tokens of the sequence:
+      prev / next: attention to position i - 1 / i + 1 (the diagonal's sum / T, as Clark's code: the
+      first / last token, which has none, counts 0), self: attention to itself,
+      cls / sep / punct: total attention to [CLS] / all separators / punctuation,
+      sep_sep: total attention from a separator to the separators (mean over the separator rows),
+      rest_sep: the same from every other token (mean over the T - n_sep other rows, [CLS] included),
+      entropy: entropy of the smoothed attention rows (:func:`smoothed_entropy`), cls_entropy: of [CLS]'s row.
     """
     attn = attn.float()
     T = attn.shape[-1]
-    punct = torch.as_tensor(punct, dtype=torch.bool, device=attn.device)
-    diag = torch.diagonal(attn, dim1=-2, dim2=-1)  # (L, H, T)
-    ent = entropy(attn)  # (L, H, T)
+    punct = torch.as_tensor(punct, dtype=torch.bool, device=attn.device)  # (T,)
+    if sep is None:
+        sep = torch.zeros(T, dtype=torch.bool, device=attn.device)
+        sep[T - 1] = True
+    sep = torch.as_tensor(sep, dtype=torch.bool, device=attn.device)  # (T,)
+    n_sep = int(sep.sum())
+    to_sep = attn[..., sep].sum(-1)  # (L, H, T) total attention of every row to the separators
+    ent = smoothed_entropy(attn, smoothing)  # (L, H, T)
     nan = torch.full(attn.shape[:2], float("nan"), device=attn.device)
     return dict(
-        prev=torch.diagonal(attn, offset=-1, dim1=-2, dim2=-1).mean(-1) if T > 1 else nan,
-        self=diag.mean(-1),
-        next=torch.diagonal(attn, offset=1, dim1=-2, dim2=-1).mean(-1) if T > 1 else nan,
+        prev=torch.diagonal(attn, offset=-1, dim1=-2, dim2=-1).sum(-1) / T,
+        self=torch.diagonal(attn, dim1=-2, dim2=-1).mean(-1),
+        next=torch.diagonal(attn, offset=1, dim1=-2, dim2=-1).sum(-1) / T,
         cls=attn[..., 0].mean(-1),
-        sep=attn[..., T - 1].mean(-1),
+        sep=to_sep.mean(-1),
+        sep_sep=to_sep[..., sep].mean(-1) if n_sep else nan,
+        rest_sep=to_sep[..., ~sep].mean(-1) if n_sep < T else nan,
         punct=attn[..., punct].sum(-1).mean(-1),
         entropy=ent.mean(-1),
         cls_entropy=ent[..., 0],
@@ -115,8 +152,9 @@ class HeadStatsAccumulator:
         self.n = 0
         self.log_t = 0.0
 
-    def add(self, attn: torch.Tensor, punct) -> None:
-        for k, v in sentence_head_stats(attn, punct).items():
+    def add(self, attn: torch.Tensor, punct, sep=None) -> None:
+        """attn (L, H, T, T); punct, sep (T,) bool (see :func:`sentence_head_stats`)."""
+        for k, v in sentence_head_stats(attn, punct, sep).items():
             v = v.detach().double().cpu()
             self.sums[k] = self.sums[k] + v if k in self.sums else v
         self.n += 1
@@ -154,8 +192,9 @@ def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False)
 
 
 def offset_predictions(n: int, offset: int) -> np.ndarray:
-    """Fixed-offset baseline: word j (1-based) predicts word j + offset, clipped into 1..n. (n,) int."""
-    return np.clip(np.arange(1, n + 1) + offset, 1, n)
+    """Fixed-offset baseline: word j (1-based) predicts word j + offset, clipped into 0..n (0 = ROOT), as
+    Clark's ``offset_predictor`` (``max(0, min(i + offset + 1, len(words)))``). (n,) int."""
+    return np.clip(np.arange(1, n + 1) + offset, 0, n)
 
 
 POSS_CLITICS = frozenset({"'s", "'", "’s", "’"})

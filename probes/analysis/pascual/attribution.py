@@ -1,5 +1,13 @@
 """``analysis=attribution``: do head outputs depend on the tokens the head attends to? (Pascual et al. 2021)
 
+Pascual, Brunner and Wattenhofer (EACL 2021, "Telling BERT's full story: from local attention to global
+aggregation") use "gradient attribution to analyze how the output of an attention head depends on the input
+tokens" and report "a significant mismatch between attention and attribution distributions, caused by the
+mixing of context inside the model", quantified, with "some patterns that persist across all layers
+despite the mixing" (their abstract, aclanthology.org/2021.eacl-main.9). Their paper body and any code
+were not available to this project (README "Attention versus gradients"), so the exact reduction of the
+head output, the attribution method and the comparison measures below are the project's, named as such.
+
 Wordpiece level, live encoder (``ctx.encoder``, any supported family: BERT, DistilBERT, ALBERT,
 DeBERTa-v2, ...), each sentence alone as ``[CLS] s [SEP]`` (the tokenizer's own special tokens). For
 every layer ``l``, head ``h`` and position ``i``, the head's output is ``o_{l,h,i}`` = ``(A V)`` of
@@ -11,37 +19,46 @@ vectors** (``model.get_input_embeddings()(ids)``, fed as ``inputs_embeds``) by
 * ``ixg`` - gradient x input;
 * ``ig``  - integrated gradients, baseline ``zero`` (all word embeddings 0; position/type embeddings
   kept) or ``pad`` (the pad token's embedding except at the first and last special token),
-  ``ig_steps`` Riemann-midpoint points.
+  ``ig_steps`` Riemann-midpoint points;
+* ``hta`` - the gradient's 2-norm over the embedding dimension, no input factor: the reduction of
+  Brunner et al.'s (2020) Hidden Token Attribution, the same group's earlier gradient measure
+  (:func:`hta_attributions`), as an option closer to that lineage.
 
-Both are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
+All are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
 :mod:`probes.analysis.westera.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
 (method="riemann_middle")`` on the same input (checked on ``captum_check`` random targets per run and
-in the tests; captum itself would need one call per target).
+in the tests; captum itself would need one call per target); ``hta`` is checked in the tests against
+one ``autograd.grad`` per target.
 
 Distribution over input tokens: ``|attribution|`` summed over the embedding dimension, normalised
-to sum 1. It is compared with the same head's attention row ``A[l, h, i, :]``:
+to sum 1. It is compared with the same head's map row (attention: ``A[l, h, i, :]``):
 
 * Jensen-Shannon divergence (base 2, in [0, 1]); Spearman rank correlation over the T tokens;
-  top-1 agreement (same argmax). Means over positions and sentences, per (method, layer, head) and
-  per (method, layer).
+  top-1 agreement (same argmax). Means over positions and sentences, per (kind, method, layer, head)
+  and per (kind, method, layer).
 * Patterns: the share of positions whose argmax is ``cls`` / ``sep`` / ``self`` / ``prev`` / ``next``
-  / ``other`` (precedence in that order), per layer, for the attention and for each attribution.
+  / ``other`` (precedence in that order), per layer, for each map kind and for each attribution.
+* Pattern persistence per head: the head's dominant argmax pattern (the most frequent over all its
+  positions and sentences) in the map and in the attribution; ``pattern_agree`` = the share of a
+  layer's heads where the two are the same (the "patterns that persist despite the mixing").
+
+Map kinds (``extract.maps=<kind>``, README "Beyond attention weights"): ``analysis.kinds=[attention,
+rollout, ...]`` compares the attribution, computed **once** per sentence and method, with every listed
+kind; null = the one kind ``extract.maps``. Each kind's maps come from its ``probes.measures`` object
+(``extract.measures.<kind>``, the objects the extraction stage runs), at piece level, rows normalised to
+sum 1. A per-layer kind (rollout, flow, norm_res_ln, alti, value_zeroing) is compared with the mean
+over heads of the heads' attribution distributions (``head`` = 0 in the files). Kinds with a length
+bound (flow) take only the sentences within it (``n`` in the tables; the summary lists the counts).
+``grad_attribution`` against the same ``method`` is the attribution itself (JS 0, top-1 1): trivial.
 
 Sentences: of the first ``max_sentences`` sentences of ``split`` (file order, as in every analysis;
 null = the whole split), the ``n_shortest`` shortest (in pieces; ties in file order) with at least
 ``min_words`` words - the cost grows with T^2 (T targets per head, each a backward over T tokens).
-``analysis.n_shortest=30`` is the README's "30 shortest dev sentences" (before the model-layer
-refactor that selection was called ``max_sentences``).
 
-Map kinds (``extract.maps=<kind>``, README "Beyond attention weights"): the attribution is compared with
-that kind's maps instead of the attention rows (rows normalised to sum 1; the patterns' source is named
-after the kind). A per-layer kind (rollout, flow, norm_res_ln, alti, value_zeroing) is compared with the
-mean over heads of the heads' attribution distributions (``head`` = 0 in the files). Kinds with a length
-bound (flow) keep only sentences within it.
-
-Outputs: ``attribution_heads.csv`` (method, layer, head, js, spearman, top1, n), ``attribution_layers.csv``
-(method, layer, means), ``attribution_patterns.csv`` (source, layer, pattern, share),
-``attribution_layers.png``, ``attribution_patterns.png``, ``summary.json``.
+Outputs: ``attribution_heads.csv`` (kind, method, layer, head, name, js, spearman, top1, n, map_pattern,
+attr_pattern), ``attribution_layers.csv`` (kind, method, layer, means, pattern_agree, n),
+``attribution_patterns.csv`` (source, layer, pattern, share, count), ``attribution_layers.png``,
+``attribution_patterns.png``, ``attribution_heads.png`` (per-head top-1 agreement), ``summary.json``.
 """
 
 from __future__ import annotations
@@ -56,13 +73,44 @@ import torch
 from tqdm import tqdm
 
 from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
+from probes.analysis.tables import layer_head_frame
 from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution,
-                                              captum_head_attribution, head_attributions, hidden_and_attention,
-                                              ig_baseline)
-from probes.measures import from_config
+                                              captum_head_attribution, head_attributions, ig_baseline,
+                                              jacobian_rows, layer_head_scalars_fn, num_layers, word_embeddings)
+from probes.measures import build, from_config
 from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
+
+
+def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
+    """``method=hta``: gradient-norm attribution of every head output, (L, H, T_out, T_in).
+
+    ``||d s_{l,h,i} / d x_j||_2`` (2-norm over the embedding dimension, no multiplication by the input),
+    normalised over ``j``; ``s_{l,h,i} = sum_k o_{l,h,i}[k]`` and ``x_j`` the word embeddings as for ``ixg``.
+    This is the reduction of Hidden Token Attribution (Brunner et al. 2020, the same group's earlier
+    measure) as a public reimplementation computes it (gradient of the summed output units, 2-norm, share
+    of the sum); whether Pascual et al. use it for heads could not be checked (module doc).
+    """
+    x = word_embeddings(model, input_ids)  # (T, E)
+    T = x.shape[0]
+    out = []
+    for layer in range(num_layers(model)):
+        _, J = jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), x, chunk_size)  # (H*T, T, E)
+        mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
+        out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+    return torch.stack(out).detach()  # (L, H, T, T)
+
+
+CAPTUM_CHECKED = ("ixg", "ig")  # methods re-done with captum on ``captum_check`` targets
+
+
+def head_distributions(model, ids: torch.Tensor, method: str, ig_steps: int, chunk_size: int | None,
+                       base: torch.Tensor) -> torch.Tensor:
+    """(L, H, T, T) attribution distributions of one sentence by ``method`` (``ixg``, ``ig`` or ``hta``)."""
+    if method == "hta":
+        return hta_attributions(model, ids, chunk_size)
+    return head_attributions(model, ids, method, ig_steps, chunk_size, base)
 
 
 def compare(dist: np.ndarray, attn: np.ndarray) -> dict[str, np.ndarray]:
@@ -70,26 +118,50 @@ def compare(dist: np.ndarray, attn: np.ndarray) -> dict[str, np.ndarray]:
     return dict(js=js_divergence(dist, attn), spearman=spearman_rows(dist, attn), top1=top1_agreement(dist, attn))
 
 
+def head_pattern_counts(dist: np.ndarray) -> np.ndarray:
+    """(L, H, len(PATTERNS)) counts of the argmax patterns of every head's rows (``dist`` (L, H, T, T))."""
+    pat = argmax_patterns(dist)  # (L, H, T)
+    return (pat[..., None] == np.arange(len(PATTERNS))).sum(-2)
+
+
 def pattern_counts(dist: np.ndarray) -> np.ndarray:
     """(L, len(PATTERNS)) counts of argmax patterns over heads and positions."""
-    pat = argmax_patterns(dist)  # (L, H, T)
-    return np.stack([np.bincount(p.ravel(), minlength=len(PATTERNS)) for p in pat])
+    return head_pattern_counts(dist).sum(1)
+
+
+def dominant_pattern_agreement(map_counts: np.ndarray, attr_counts: np.ndarray) -> np.ndarray:
+    """(L, H) bool: the most frequent argmax pattern of each head (counts (L, H, P); ties: first in
+    :data:`PATTERNS`) is the same in the map and in the attribution."""
+    return map_counts.argmax(-1) == attr_counts.argmax(-1)
 
 
 def figure_layers(layers: pd.DataFrame):
     import matplotlib.pyplot as plt
     from probes.analysis import plots  # noqa: F401
 
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
-    for ax, col, lab in zip(axes, ("js", "spearman", "top1"), ("JS divergence", "Spearman rho", "top-1 agreement")):
-        for m, g in layers.groupby("method"):
-            ax.plot(g.layer + 1, g[col], marker="o", label=m)
+    cols = ("js", "spearman", "top1", "pattern_agree")
+    labs = ("JS divergence", "Spearman rho", "top-1 agreement", "heads with the same dominant pattern")
+    fig, axes = plt.subplots(1, len(cols), figsize=(14.5, 3.4))
+    for ax, col, lab in zip(axes, cols, labs):
+        for (kind, m), g in layers.groupby(["kind", "method"], sort=False):
+            ax.plot(g.layer + 1, g[col], marker="o", label=f"{kind} vs {m}")
         ax.set_xlabel("layer")
-        ax.set_title(f"{lab}: attribution vs attention", fontsize=9)
+        ax.set_title(f"{lab}: map vs attribution", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def figure_heads(heads: pd.DataFrame):
+    """Per-head top-1 agreement (layer x head) of every per-head kind and method."""
+    from probes.analysis.plots import layer_head_figure
+
+    mats = {}
+    for (kind, m), g in heads.groupby(["kind", "method"], sort=False):
+        if g["head"].nunique() > 1:
+            mats[f"top-1: {kind} vs {m}"] = g.pivot(index="layer", columns="head", values="top1").to_numpy()
+    return layer_head_figure(mats, ncols=2, vmin=0, vmax=1, annotate="{:.2f}") if mats else None
 
 
 def figure_patterns(pat: pd.DataFrame):
@@ -128,11 +200,45 @@ def kind_maps(measure, model, ids: torch.Tensor) -> np.ndarray:
     return (maps / maps.sum(-1, keepdim=True).clamp(min=1e-12)).cpu().numpy()
 
 
+class _Acc:
+    """Running sums of one (kind, method) comparison: per (layer, head) sums and pattern counts."""
+
+    def __init__(self, L: int, H: int):
+        self.s = {k: np.zeros((L, H)) for k in ("js", "spearman", "top1", "n", "n_rho")}
+        self.map_pat = np.zeros((L, H, len(PATTERNS)))  # (L, H', P) argmax patterns of the map
+        self.attr_pat = np.zeros((L, H, len(PATTERNS)))  # (L, H', P) of the attribution it is compared with
+
+    def add(self, dist: np.ndarray, maps: np.ndarray) -> None:
+        """``dist``, ``maps``: (L, H', T, T) of one sentence."""
+        c = compare(dist, maps)
+        self.s["js"] += c["js"].sum(-1)
+        self.s["top1"] += c["top1"].sum(-1)
+        self.s["spearman"] += np.nansum(c["spearman"], -1)
+        self.s["n_rho"] += np.isfinite(c["spearman"]).sum(-1)
+        self.s["n"] += c["js"].shape[-1]
+        self.map_pat += head_pattern_counts(maps)
+        self.attr_pat += head_pattern_counts(dist)
+
+    def heads(self) -> dict[str, np.ndarray]:
+        s, n = self.s, np.maximum(self.s["n"], 1)
+        return dict(js=s["js"] / n, spearman=s["spearman"] / np.maximum(s["n_rho"], 1), top1=s["top1"] / n,
+                    n=s["n"].astype(int))
+
+    def layers(self) -> dict[str, np.ndarray]:
+        s, n = self.s, np.maximum(self.s["n"].sum(1), 1)
+        agree = dominant_pattern_agreement(self.map_pat, self.attr_pat)  # (L, H')
+        out = dict(js=s["js"].sum(1) / n, spearman=s["spearman"].sum(1) / np.maximum(s["n_rho"].sum(1), 1),
+                   top1=s["top1"].sum(1) / n, pattern_agree=agree.mean(1))
+        empty = s["n"].sum(1) == 0  # (L,) no sentence within the kind's length bound
+        out = {k: np.where(empty, np.nan, v) for k, v in out.items()}
+        return dict(out, n=s["n"].sum(1).astype(int))
+
+
 def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_shortest: int | None = 50,
                 min_words: int = 5, methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero",
                 chunk_size: int | None = 256, captum_check: int = 2, num_threads: int | None = None,
-                seed: int = 0) -> pd.DataFrame:
-    """Attribution vs attention for every head; save the tables and figures; return the per-layer table."""
+                kinds=None, seed: int = 0) -> pd.DataFrame:
+    """Attribution vs each map kind for every head; save the tables and figures; return the per-layer table."""
     t0 = time.time()
     if num_threads:
         torch.set_num_threads(int(num_threads))
@@ -143,57 +249,52 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
                             enc.max_length)
     model = enc.model.to(ctx.device)
     pad_id = enc.tokenizer.pad_token_id if enc.tokenizer.pad_token_id is not None else 0
-    kind, measure = from_config(ctx.cfg.extract)
-    if measure.max_pieces:  # e.g. flow
-        order = [i for i in order if encoded[i].n_pieces <= measure.max_pieces]
-    L, H = enc.num_layers, measure.heads(enc.num_heads)
+    if kinds:
+        kinds = [str(k) for k in kinds]
+        measures = {k: build(k, ctx.cfg.extract.get("measures")) for k in kinds}
+    else:
+        kind, measure = from_config(ctx.cfg.extract)
+        kinds, measures = [kind], {kind: measure}
+    L, NH = enc.num_layers, enc.num_heads
     methods = list(methods)
-    sums = {m: {k: np.zeros((L, H)) for k in ("js", "spearman", "top1", "n", "n_rho")} for m in methods}
-    pats = {src: np.zeros((L, len(PATTERNS))) for src in [kind, *methods]}
+    acc = {(k, m): _Acc(L, measures[k].heads(NH)) for k in kinds for m in methods}
+    pats = {src: np.zeros((L, len(PATTERNS))) for src in [*kinds, *methods]}
+    n_used = dict.fromkeys(kinds, 0)
     rng = random.Random(seed)
     checks = []
     for k, i in enumerate(tqdm(order, desc="attribution", unit="sent", disable=None)):
         ids = torch.tensor(encoded[i].input_ids, device=ctx.device)
-        if kind == "attention":
-            _, attn = hidden_and_attention(model, ids)
-            attn = attn.cpu().numpy()  # (L, H, T, T)
-        else:
-            attn = kind_maps(measure, model, ids)  # (L, H', T, T), rows sum to 1
-        pats[kind] += pattern_counts(attn)
+        n = len(ids)
+        maps = {}
+        for kind in kinds:
+            mx = measures[kind].max_pieces
+            if mx is None or n <= mx:  # e.g. flow: only sentences within its bound
+                maps[kind] = kind_maps(measures[kind], model, ids)  # (L, H', T, T), rows sum to 1
+                pats[kind] += pattern_counts(maps[kind])
+                n_used[kind] += 1
         base = ig_baseline(model, ids, baseline, pad_id)  # (T, E)
         for m in methods:
-            dist = head_attributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()  # (L, H, T, T)
-            if attn.shape[1] != dist.shape[1]:  # per-layer kind: against the head-mean attribution
-                dist = dist.mean(1, keepdims=True)  # (L, 1, T, T)
-            c = compare(dist, attn)
-            s = sums[m]
-            s["js"] += c["js"].sum(-1)
-            s["top1"] += c["top1"].sum(-1)
-            s["spearman"] += np.nansum(c["spearman"], -1)
-            s["n_rho"] += np.isfinite(c["spearman"]).sum(-1)
-            s["n"] += c["js"].shape[-1]
+            dist = head_distributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()  # (L, H, T, T)
             pats[m] += pattern_counts(dist)
-            if k < captum_check:  # one random target per method and sentence vs captum
-                l, h, p = rng.randrange(L), rng.randrange(H), rng.randrange(len(ids))
-                if H != enc.num_heads:
-                    h = rng.randrange(enc.num_heads)
-                    dist = head_attributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()
+            for kind, mp in maps.items():  # the one attribution against every kind
+                acc[kind, m].add(dist if mp.shape[1] == dist.shape[1] else dist.mean(1, keepdims=True), mp)
+            if k < captum_check and m in CAPTUM_CHECKED:  # one random target per method and sentence vs captum
+                l, h, p = rng.randrange(L), rng.randrange(NH), rng.randrange(n)
                 ref = attribution_distribution(captum_head_attribution(model, ids, l, h, p, m, ig_steps, base))
                 checks.append(dict(method=m, sentence=i, layer=l, head=h, pos=p,
                                    max_abs_diff=float(np.abs(ref.cpu().numpy() - dist[l, h, p]).max())))
-    rows = []
-    for m in methods:
-        s = sums[m]
-        for l in range(L):
-            for h in range(H):
-                rows.append(dict(method=m, layer=l, head=h, js=s["js"][l, h] / s["n"][l, h],
-                                 spearman=s["spearman"][l, h] / max(s["n_rho"][l, h], 1),
-                                 top1=s["top1"][l, h] / s["n"][l, h], n=int(s["n"][l, h])))
-    heads = pd.DataFrame(rows)
-    layers = pd.DataFrame([dict(method=m, layer=l, js=sums[m]["js"][l].sum() / sums[m]["n"][l].sum(),
-                                spearman=sums[m]["spearman"][l].sum() / max(sums[m]["n_rho"][l].sum(), 1),
-                                top1=sums[m]["top1"][l].sum() / sums[m]["n"][l].sum(), n=int(sums[m]["n"][l].sum()))
-                           for m in methods for l in range(L)])
+    hrows, lrows = [], []
+    for (kind, m), a in acc.items():
+        hd = a.heads()
+        df = layer_head_frame(hd, kind=kind, method=m)
+        df["map_pattern"] = [PATTERNS[j] for j in a.map_pat.argmax(-1).ravel()]
+        df["attr_pattern"] = [PATTERNS[j] for j in a.attr_pat.argmax(-1).ravel()]
+        hrows.append(df)
+        ly = a.layers()
+        lrows.append(pd.DataFrame(dict(kind=kind, method=m, layer=np.arange(L), **ly)))
+    heads = pd.concat(hrows, ignore_index=True)[["kind", "method", "layer", "head", "name", "js", "spearman", "top1",
+                                                 "n", "map_pattern", "attr_pattern"]]
+    layers = pd.concat(lrows, ignore_index=True)
     prow = []
     for src, cnt in pats.items():
         for l in range(L):
@@ -209,19 +310,30 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
         ctx.save_table(pd.DataFrame(checks), "attribution_captum_check")
     ctx.save_figure(figure_layers(layers), "attribution_layers")
     ctx.save_figure(figure_patterns(pat), "attribution_patterns")
-    trend = {}
-    for m, g in layers.groupby("method"):
-        trend[m] = {c: float(np.corrcoef(g.layer, g[c])[0, 1]) for c in ("js", "spearman", "top1")}
+    fig = figure_heads(heads)
+    if fig is not None:
+        ctx.save_figure(fig, "attribution_heads")
+
+    def means(g):  # per-layer values and their mean over layers
+        return {c: dict(per_layer=[round(float(v), 4) for v in g[c]], mean=round(float(g[c].mean()), 4))
+                for c in ("js", "spearman", "top1", "pattern_agree")}
+
+    trend = {f"{kind}/{m}": {c: float(np.corrcoef(g.layer, g[c])[0, 1]) if g[c].std() > 0 else None
+                             for c in ("js", "spearman", "top1")}
+             for (kind, m), g in layers.groupby(["kind", "method"], sort=False)}
     ctx.log_summary(dict(
-        analysis="attribution", maps=kind, split=split, encoder=enc.name, model_type=enc.model_type, device=ctx.device,
+        analysis="attribution", maps=kinds[0] if len(kinds) == 1 else kinds, kinds=kinds, split=split,
+        encoder=enc.name, model_type=enc.model_type, device=ctx.device,
         max_sentences=max_sentences, n_shortest=n_shortest, min_words=min_words, n_sentences=len(order),
+        n_sentences_per_kind=n_used,
         mean_pieces=float(np.mean([encoded[i].n_pieces for i in order])) if order else None,
         methods=methods, ig_steps=ig_steps, baseline=baseline, seconds=round(time.time() - t0, 1),
         per_layer={m: {c: [round(float(v), 4) for v in g[c]] for c in ("js", "spearman", "top1")}
-                   for m, g in layers.groupby("method")},
+                   for m, g in layers[layers.kind == kinds[0]].groupby("method")},
+        comparison={f"{kind}/{m}": means(g) for (kind, m), g in layers.groupby(["kind", "method"], sort=False)},
         depth_trend_pearson_r=trend,
         patterns={src: {name: [round(float(v), 3) for v in pat[(pat.source == src) & (pat.pattern == name)].share]
                         for name in PATTERNS} for src in pats},
         captum_max_abs_diff=max((c["max_abs_diff"] for c in checks), default=None)))
-    log.info("attribution: %d sentences in %.1fs", len(order), time.time() - t0)
+    log.info("attribution: %d sentences, kinds %s, in %.1fs", len(order), kinds, time.time() - t0)
     return layers
