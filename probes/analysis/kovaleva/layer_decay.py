@@ -96,9 +96,8 @@ def profile_figure(df: pd.DataFrame):
     fig, axes = plt.subplots(3, len(tasks), figsize=(3.6 * len(tasks) + 0.8, 7.5), squeeze=False, sharex=True)
     blocks = df[df.block]
     cmap = plt.get_cmap("coolwarm")
-    decays = sorted(set(df.decay))
     for j, task in enumerate(tasks):
-        for d in decays:
+        for d in sorted(set(df.decay)):
             t = blocks[(blocks.task == task) & (blocks.decay == d)].sort_values("layer")
             if t.empty:
                 continue
@@ -140,7 +139,8 @@ def layer_decay(ctx, *, runs, split: str = "dev", max_examples: int | None = Non
             rows.append(dict(task=ft.task, decay=decay, layer=l, block=1 <= l <= L,
                              attention_change=float(change[l - 1]) if 1 <= l <= L else np.nan,
                              grad_norm=grads.get(l, np.nan), weight_change=weights.get(l, np.nan)))
-        metrics = json.loads((Path(run) / "metrics.json").read_text()) if (Path(run) / "metrics.json").exists() else {}
+        metrics_path = Path(run) / "metrics.json"
+        metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
         metas.append(dict(task=ft.task, decay=decay, n_examples=n, run=str(run),
                           **{k: v for k, v in metrics.items() if k.startswith("val/") and isinstance(v, float)}))
         log.info("layer_decay %s decay %g: attention change per layer %s", ft.task, decay,
