@@ -216,12 +216,47 @@ def test_js_identical_heads_zero_and_properties():
     assert js_divergence_matrix(e)[0, 1].item() == pytest.approx(5.0, rel=1e-6)
 
 
+def clark_behaviour(avg_attns: dict[str, np.ndarray], entropies: np.ndarray, uniform: float) -> list[list[str]]:
+    """The colouring loop of Clark's General_Analysis.ipynb as written there ("right" = next token, "left" =
+    previous), with his 3.8-nat threshold expressed over the uniform entropy of 128 tokens."""
+    ENTROPY_THRESHOLD, POSITION_THRESHOLD, SPECIAL_TOKEN_THRESHOLD = 3.8 / np.log(128) * uniform, 0.5, 0.6
+    out = []
+    for layer in range(entropies.shape[0]):
+        row = []
+        for head in range(entropies.shape[1]):
+            label = "other"
+            if avg_attns["right"][layer, head] > POSITION_THRESHOLD:
+                label = "next"
+            if avg_attns["left"][layer, head] > POSITION_THRESHOLD:
+                label = "prev"
+            if entropies[layer, head] > ENTROPY_THRESHOLD:
+                label = "broad"
+            if avg_attns["cls"][layer, head] > SPECIAL_TOKEN_THRESHOLD:
+                label = "cls"
+            if avg_attns["sep"][layer, head] > SPECIAL_TOKEN_THRESHOLD:
+                label = "sep"
+            if avg_attns["punct"][layer, head] > SPECIAL_TOKEN_THRESHOLD:
+                label = "punct"
+            row.append(label)
+        out.append(row)
+    return out
+
+
 def test_behaviour_labels_and_mds():
-    stats = {k: np.zeros((1, 3)) for k in ("prev", "next", "cls", "sep", "punct", "entropy")}
+    stats = {k: np.zeros((1, 4)) for k in ("prev", "next", "cls", "sep", "punct", "entropy")}
     stats["prev"][0, 0] = 0.9
-    stats["entropy"][0, 1] = 2.9
+    stats["entropy"][0, 1] = 2.9  # > 0.783 x 3.0
     stats["entropy"][0, 2] = 1.0
-    assert classify_heads(stats, 3.0).tolist() == [["prev", "broad", "other"]]
+    stats["cls"][0, 3], stats["prev"][0, 3] = 0.55, 0.7  # [CLS] share under 0.6: the position label stays
+    assert classify_heads(stats, 3.0).tolist() == [["prev", "broad", "other", "prev"]]
+    # against the notebook's loop on random statistics, where several tests hit the same head
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        r = {k: rng.uniform(0, 1, (6, 12)) for k in ("prev", "next", "cls", "sep", "punct")}
+        r["entropy"] = rng.uniform(0, 4, (6, 12))
+        ref = clark_behaviour(dict(right=r["next"], left=r["prev"], cls=r["cls"], sep=r["sep"], punct=r["punct"]),
+                              r["entropy"], 3.5)
+        assert classify_heads(r, 3.5).tolist() == ref
     dist = np.array([[0, 1, 2], [1, 0, 1], [2, 1, 0]], dtype=float)
     coords, stress = mds_embedding(dist, seed=0, n_init=1, max_iter=300, eps=1e-6)  # fast; defaults: Clark's
     assert coords.shape == (3, 2) and np.isfinite(stress)

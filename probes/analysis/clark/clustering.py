@@ -11,11 +11,14 @@ divides by the number of tokens). The symmetric matrix is embedded in 2-D by met
 scaling with Clark's settings (scikit-learn ``MDS`` on the precomputed dissimilarities, ``n_init=5``,
 ``max_iter=1000``, ``eps=1e-10``; seeded here, unseeded there).
 
-Behaviour of a head (colours of the second plot), from the same pass's head_stats-style statistics:
-the largest of the mean attention to the previous token, next token, [CLS], [SEP] and punctuation
-names the head (``prev``/``next``/``cls``/``sep``/``punct``) when it is at least
-``behaviour_threshold`` (default 0.5); otherwise the head is ``broad`` when its mean entropy is at
-least ``broad_fraction`` (default 0.75) of the uniform-attention entropy (mean log T); else ``other``.
+Behaviour of a head (colours of the second plot), from the same pass's head_stats-style statistics,
+by the rule of Clark's ``General_Analysis.ipynb``: tests in this order, a later match overriding an
+earlier one: ``next`` and then ``prev`` when the mean attention to that token is above
+``position_threshold`` (0.5, his ``POSITION_THRESHOLD``); ``broad`` when the mean entropy is above
+``broad_fraction`` of the uniform-attention entropy (mean log T); ``cls``, ``sep``, ``punct`` when the
+mean attention to them is above ``special_threshold`` (0.6, his ``SPECIAL_TOKEN_THRESHOLD``); else
+``other``. His broad threshold is 3.8 nats on 128-token segments (uniform entropy ln 128 = 4.85 nats),
+so ``broad_fraction`` defaults to 3.8 / ln 128 = 0.783 for inputs of any length.
 
 Map kinds: ``extract.maps=<kind>`` clusters that kind's wordpiece maps instead (computed live, rows
 normalised to sum 1 so that JS divergence and entropy apply to non-probability kinds such as ``norm``);
@@ -48,15 +51,26 @@ log = logging.getLogger(__name__)
 BEHAVIOURS = ("prev", "next", "cls", "sep", "punct")
 
 
-def classify_heads(stats: dict[str, np.ndarray], uniform_entropy: float, behaviour_threshold: float = 0.5,
-                   broad_fraction: float = 0.75) -> np.ndarray:
-    """(L, H) array of behaviour labels (see the module docstring for the rule)."""
-    vals = np.stack([stats[b] for b in BEHAVIOURS])  # (5, L, H)
-    best = vals.argmax(0)
-    labels = np.where(vals.max(0) >= behaviour_threshold, np.asarray(BEHAVIOURS, dtype=object)[best], "other")
-    broad = (labels == "other") & (stats["entropy"] >= broad_fraction * uniform_entropy)
-    labels[broad] = "broad"
-    return labels.astype(object)
+# Clark's order of tests (a later match overrides an earlier one) and which threshold each uses.
+CLARK_ORDER = (("next", "position"), ("prev", "position"), ("broad", "broad"), ("cls", "special"),
+               ("sep", "special"), ("punct", "special"))
+# Clark's figure colours (his "Pretty colors"); "other" grey as his unlabelled heads.
+BEHAVIOUR_COLOURS = {"next": "#e74c3c", "prev": "#3498db", "broad": "#f39c12", "cls": "#9b59b6", "sep": "#59d98e",
+                     "punct": "#159d82", "other": "#95a5a6"}
+CLARK_BROAD_FRACTION = 3.8 / float(np.log(128))  # his 3.8 nats over the uniform entropy of 128 tokens
+
+
+def classify_heads(stats: dict[str, np.ndarray], uniform_entropy: float, position_threshold: float = 0.5,
+                   special_threshold: float = 0.6, broad_fraction: float = CLARK_BROAD_FRACTION) -> np.ndarray:
+    """(L, H) array of behaviour labels by Clark's rule (see the module docstring)."""
+    labels = np.full(stats["entropy"].shape, "other", dtype=object)  # (L, H)
+    for name, kind in CLARK_ORDER:
+        if kind == "broad":
+            hit = stats["entropy"] > broad_fraction * uniform_entropy
+        else:
+            hit = stats[name] > (position_threshold if kind == "position" else special_threshold)
+        labels[hit] = name
+    return labels
 
 
 def mds_embedding(dist: np.ndarray, seed: int = 0, n_init: int = 5, max_iter: int = 1000,
@@ -97,7 +111,7 @@ def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
         fig.colorbar(sc, ax=ax, label="layer")
     else:
         for b, g in emb.groupby(colour_by, sort=True):
-            ax.scatter(g.x, g.y, s=30, label=f"{b} ({len(g)})")
+            ax.scatter(g.x, g.y, s=30, label=f"{b} ({len(g)})", color=BEHAVIOUR_COLOURS.get(b))
         ax.legend(fontsize=8, title="behaviour")
     for _, r in emb.iterrows():
         ax.annotate(r["name"], (r.x, r.y), fontsize=5, alpha=0.7, xytext=(2, 2), textcoords="offset points")
@@ -131,7 +145,8 @@ def wordpiece_maps(enc, measure, encoded, device: str, max_tokens: int, max_batc
 
 def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
                smoothing: float = JS_SMOOTHING, max_tokens: int = 4096, max_batch_size: int = 64,
-               behaviour_threshold: float = 0.5, broad_fraction: float = 0.75, mds_n_init: int = 5,
+               position_threshold: float = 0.5, special_threshold: float = 0.6,
+               broad_fraction: float = CLARK_BROAD_FRACTION, mds_n_init: int = 5,
                mds_max_iter: int = 1000, mds_eps: float = 1e-10) -> pd.DataFrame:
     """Compute JS distances between all heads, embed them, save tables and plots; returns the embedding."""
     t0 = time.time()
@@ -162,7 +177,7 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     coords, stress = mds_embedding(dist, seed=int(ctx.cfg.get("seed", 0)), n_init=mds_n_init, max_iter=mds_max_iter,
                                    eps=mds_eps)
     stats = stats_acc.result()
-    labels = classify_heads(stats, stats_acc.uniform_entropy, behaviour_threshold, broad_fraction)
+    labels = classify_heads(stats, stats_acc.uniform_entropy, position_threshold, special_threshold, broad_fraction)
     emb = pd.DataFrame(dict(layer=la, head=ha, name=[head_name(l, h) for l, h in zip(la, ha)],
                             x=coords[:, 0], y=coords[:, 1], behaviour=labels.reshape(-1)))
     for k in ("prev", "next", "self", "cls", "sep", "punct", "entropy"):
@@ -188,7 +203,7 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
         nearest_neighbour_same_layer=float((la[nn] == la).mean()),
         nearest_neighbour_same_layer_chance=float((H - 1) / max(K - 1, 1)),
         behaviour_counts={str(k): int(v) for k, v in emb.behaviour.value_counts().items()},
-        behaviour_threshold=behaviour_threshold, broad_fraction=broad_fraction,
+        position_threshold=position_threshold, special_threshold=special_threshold, broad_fraction=broad_fraction,
         uniform_entropy=stats_acc.uniform_entropy, seconds=round(time.time() - t0, 1)))
     log.info("clustering: %d sequences, %d heads in %.1fs", stats_acc.n, K, time.time() - t0)
     return emb
