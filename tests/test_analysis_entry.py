@@ -148,7 +148,7 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
     import torch
     from transformers import AutoModel
 
-    from probes.analysis.clark.head_stats import wordpiece_attention
+    from probes.analysis.clark.head_stats import sequence_attention
     from probes.analysis.clark.metrics import is_period_comma
 
     tiny = pytest.importorskip("probes.model.tiny")
@@ -158,7 +158,9 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
     ref = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
     sents = [["The", "dog", "barked", "."], ["John", ",", "unbelievably", ",", "sat", "on", "it", "!"], ["Hi"]]
     seen = set()
-    for i, attn, punct in wordpiece_attention(enc, sents, max_tokens=20, max_batch_size=2):
+    from probes.model.inputs import encode_words
+    for i, attn, punct, _ in sequence_attention(enc, encode_words(enc.tokenizer, sents), max_tokens=20,
+                                                max_batch_size=2):
         seen.add(i)
         ids = enc.tokenizer(sents[i], is_split_into_words=True)["input_ids"]
         T = len(ids)

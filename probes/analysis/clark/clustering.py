@@ -48,9 +48,6 @@ from probes.measures import from_config
 
 log = logging.getLogger(__name__)
 
-BEHAVIOURS = ("prev", "next", "cls", "sep", "punct")
-
-
 # Clark's order of tests (a later match overrides an earlier one) and which threshold each uses.
 CLARK_ORDER = (("next", "position"), ("prev", "position"), ("broad", "broad"), ("cls", "special"),
                ("sep", "special"), ("punct", "special"))

@@ -108,15 +108,6 @@ def sequence_attention(encoder, encoded: Sequence[Encoded], device: str = "cpu",
         yield keep[k], attn, punct_positions(tok, items[k].input_ids, byte_level), separator_positions(items[k])
 
 
-def wordpiece_attention(encoder, sentences, device: str = "cpu", max_tokens: int = 4096, max_batch_size: int = 64,
-                        desc: str = "attention") -> Iterator[tuple[int, torch.Tensor, list[bool]]]:
-    """:func:`sequence_attention` of every sentence (list of words) alone as ``[CLS] s [SEP]``:
-    ``(index, attn (L, H, T, T), punct (T,))``, ``index`` the sentence's position in ``sentences``."""
-    encoded = encode_words(encoder.tokenizer, [list(w) for w in sentences])
-    for i, attn, punct, _ in sequence_attention(encoder, encoded, device, max_tokens, max_batch_size, desc):
-        yield i, attn, punct
-
-
 def compute(encoder, sentences, device: str = "cpu", pairs: bool = True, **batching
             ) -> tuple[HeadStatsAccumulator, int, int]:
     """(:class:`HeadStatsAccumulator` over the sequences that fit, their number of sentences, the number
