@@ -125,8 +125,9 @@ def test_accumulator_averages_sentences_and_uniform_reference():
 def chain_sentence(n: int) -> Sentence:
     """Word 1 is the root; every other word's head is the previous word (relation 'prev')."""
     heads = tuple([0] + list(range(1, n)))
-    return Sentence(None, None, tuple(f"w{i}" for i in range(n)), ("X",) * n, heads,
-                    ("root",) + ("prev",) * (n - 1), ("_",) * n, (), None, 1)
+    return Sentence(sent_id=None, text=None, words=tuple(f"w{i}" for i in range(n)), upos=("X",) * n,
+                    xpos=("_",) * n, heads=heads, deprels=("root",) + ("prev",) * (n - 1), misc=("_",) * n,
+                    lines=(), doc_id=None, line_no=1)
 
 
 def test_prev_head_scores_100_percent_on_prev_chain():

@@ -26,6 +26,7 @@ class Sentence:
     text: str | None
     words: tuple[str, ...]  # (n,) syntactic words (multiword parts, no empty nodes)
     upos: tuple[str, ...]  # (n,)
+    xpos: tuple[str, ...]  # (n,) XPOS column (language-specific tag, e.g. PTB)
     heads: tuple[int, ...]  # (n,) 0 = root, else 1-based word index
     deprels: tuple[str, ...]  # (n,)
     misc: tuple[str, ...]  # (n,) MISC column
@@ -43,7 +44,7 @@ def _int(s: str) -> int | None:
 
 
 class _Block:
-    __slots__ = ("start", "lines", "sent_id", "text", "words", "upos", "heads",
+    __slots__ = ("start", "lines", "sent_id", "text", "words", "upos", "xpos", "heads",
                  "head_lines", "deprels", "misc", "range_end")
 
     def __init__(self, start: int):
@@ -53,6 +54,7 @@ class _Block:
         self.text: str | None = None
         self.words: list[str] = []
         self.upos: list[str] = []
+        self.xpos: list[str] = []
         self.heads: list[int] = []
         self.head_lines: list[int] = []
         self.deprels: list[str] = []
@@ -87,7 +89,7 @@ def read_conllu(path: str | os.PathLike) -> list[Sentence]:
             if h == i:
                 raise err(ln, f"word {i} is its own head")
         out.append(Sentence(
-            sent_id=b.sent_id, text=b.text, words=tuple(b.words), upos=tuple(b.upos),
+            sent_id=b.sent_id, text=b.text, words=tuple(b.words), upos=tuple(b.upos), xpos=tuple(b.xpos),
             heads=tuple(b.heads), deprels=tuple(b.deprels), misc=tuple(b.misc),
             lines=tuple(b.lines), doc_id=doc_id, line_no=b.start,
         ))
@@ -142,6 +144,7 @@ def read_conllu(path: str | os.PathLike) -> list[Sentence]:
             raise err(lineno, f"HEAD {cols[6]!r} is not a non-negative integer")
         blk.words.append(cols[1])
         blk.upos.append(cols[3])
+        blk.xpos.append(cols[4])
         blk.heads.append(h)
         blk.head_lines.append(lineno)
         blk.deprels.append(cols[7])

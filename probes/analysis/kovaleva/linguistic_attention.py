@@ -66,6 +66,7 @@ import numpy as np
 import pandas as pd
 
 from probes.analysis.naming import head_name
+from probes.analysis.tables import layer_head_frame
 from probes.model.inputs import Encoded
 
 log = logging.getLogger(__name__)
@@ -310,20 +311,6 @@ class Item:
         return self.encoded.n_pieces
 
 
-def _xpos(sentence) -> list[str]:
-    """The XPOS column of a CoNLL-U sentence's word lines (not in :class:`Sentence`)."""
-    out = []
-    for line in sentence.lines:
-        if not line or line[0] == "#":
-            continue
-        cols = line.split("\t")
-        if cols[0].isascii() and cols[0].isdigit():
-            out.append(cols[4])
-    if len(out) != sentence.n:
-        raise ValueError(f"sentence {sentence.sent_id} (line {sentence.line_no}): {len(out)} XPOS for {sentence.n} words")
-    return out
-
-
 def _add_children(words: list[dict]) -> list[dict]:
     for w in words:
         w["child_deprels"] = []
@@ -342,7 +329,7 @@ def treebank_items(tokenizer, sentences) -> list[Item]:
     for i, (s, e) in enumerate(zip(sentences, enc)):
         wop = [-1 if (w < 0 or w >= e.n_words) else w for w in e.word_of_piece]
         words = [dict(text=w, upos=u, xpos=x, deprel=d, head=h - 1, scheme="ud")
-                 for w, u, x, d, h in zip(s.words, s.upos, _xpos(s), s.deprels, s.heads)]
+                 for w, u, x, d, h in zip(s.words, s.upos, s.xpos, s.deprels, s.heads)]
         items.append(Item(i, e, wop, _add_children(words)))
     return items
 
@@ -478,6 +465,11 @@ def _plain(x):
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
+def _frames(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    """The per-(layer, head) tables of :func:`~probes.analysis.tables.layer_head_frame` as one, in ``columns`` order."""
+    return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
+
+
 def _run_one(ctx, items, model, tok, features, relations, piece_pooling, missing, relation_missing, max_tokens, desc):
     """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations."""
     from probes.model.hooks import iter_attention
@@ -560,10 +552,8 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task=
                     continue
                 L, H = m.shape
                 heat[f] = m
-                for l in range(L):
-                    for h in range(H):
-                        rows.append(dict(source=label, model=variant, feature=f, layer=l, head=h,
-                                         name=head_name(l, h), value=float(m[l, h]), n_examples=acc.count[f]))
+                rows.append(layer_head_frame(dict(value=m), source=label, model=variant, feature=f,
+                                             n_examples=acc.count[f]))
                 if c is not None:
                     last, nc = L - 1, len(acc.cls_scores[f])
                     for h in range(H):
@@ -577,12 +567,8 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task=
                 if m is None:
                     continue
                 theat[r] = m
-                L, H = m.shape
-                for l in range(L):
-                    for h in range(H):
-                        trows.append(dict(source=label, model=variant, relation=r, layer=l, head=h,
-                                          name=head_name(l, h), value=float(m[l, h]), n_examples=racc.count[r],
-                                          n_with_pair=n_pair[r]))
+                trows.append(layer_head_frame(dict(value=m), source=label, model=variant, relation=r,
+                                              n_examples=racc.count[r], n_with_pair=n_pair[r]))
             figs[(label, variant)] = (heat, theat)
 
             def best(m):
@@ -617,10 +603,11 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task=
                                            statistic=stat, pretrained=float(a.mean()), finetuned=float(b.mean()),
                                            diff=float(b.mean() - a.mean()), lo=lo, hi=hi,
                                            change=bool(lo > 0 or hi < 0), n_examples=len(a)))
-    df = pd.DataFrame(rows)
+    df = _frames(rows, ["source", "model", "feature", "layer", "head", "name", "value", "n_examples"])
     ctx.save_table(df, "linguistic_attention")
     ctx.save_table(pd.DataFrame(crows), "cls_last_layer")
-    ctx.save_table(pd.DataFrame(trows), "token_to_token")
+    ctx.save_table(_frames(trows, ["source", "model", "relation", "layer", "head", "name", "value", "n_examples",
+                                   "n_with_pair"]), "token_to_token")
     ch = pd.DataFrame(chrows, columns=["source", "kind", "type", "statistic", "pretrained", "finetuned", "diff", "lo",
                                        "hi", "change", "n_examples"])
     ctx.save_table(ch, "linguistic_change")

@@ -248,8 +248,7 @@ class _Original:
                 for layer in range(L):
                     self.class_rows.append(dict(kind=kind, sentence=sid, layer=layer, group=g,
                                                 **{m: float(vals[m][g][layer]) for m in fl}))
-        xp = W.xpos_of(s)
-        for n_i, (i, j, coref) in enumerate(W.coref_items(xp, clusters, self.noun_xpos, self.pron_xpos)):
+        for n_i, (i, j, coref) in enumerate(W.coref_items(s.xpos, clusters, self.noun_xpos, self.pron_xpos)):
             vals = {m: W.pair_mean(v, pos[i], pos[j]) for m, v in fl.items()}
             for layer in range(L):
                 self.coref_rows.append(dict(sentence=sid, item=n_i, noun=i, pronoun=j, layer=layer,

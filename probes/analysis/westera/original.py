@@ -38,21 +38,6 @@ NOUN_XPOS = ("NN", "NNS")
 PRON_XPOS = ("PRP", "PRP$")
 
 
-def xpos_of(sentence) -> list[str]:
-    """XPOS (CoNLL-U column 5) of a sentence's syntactic words, read from its raw lines."""
-    out = []
-    for line in sentence.lines:
-        if not line or line.startswith("#"):
-            continue
-        cols = line.split("\t")
-        if cols[0].isdigit():  # not a multiword range (1-2) or an empty node (1.1)
-            out.append(cols[4])
-    if len(out) != sentence.n:
-        raise ValueError(f"sentence {sentence.sent_id} (line {sentence.line_no}): {len(out)} XPOS for "
-                         f"{sentence.n} words")
-    return out
-
-
 def word_positions(word_of_piece: Sequence[int], n_words: int, level: str) -> list[list[int]]:
     """Per word, its rows in the flow matrix: its pieces (``piece``) or its own row w+1 (``word``)."""
     if level == "word":
