@@ -47,6 +47,7 @@ import pandas as pd
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
 from probes.data.glue import read_glue, task_spec
+from probes.extract.cache import cache_key_hash
 from probes.model.hooks import iter_attention
 from probes.model.inputs import Encoded, encode_texts
 
@@ -181,14 +182,6 @@ def _file_stamp(path) -> list:
                                            and f.suffix in (".safetensors", ".bin", ".ckpt", ".json", ".txt"))
     return [str(p)] + [(f.name if f == p else str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns)
                        for f in files]
-
-
-def cache_key(**parts) -> str:
-    """A short hash of ``parts`` (JSON, sorted keys) naming one cached result."""
-    import hashlib
-    import json
-
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load_cached(cache_dir, key: str, n: int | None):
@@ -327,9 +320,9 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: 
         tuned = checkpoint_for(checkpoint, spec.name)
         per_example = {}
         for variant, (model, tok) in variants(ctx, tuned, spec.name).items():
-            key = cache_key(task=spec.name, split=split, min_length=min_length, max_length=max_length,
-                            classifier=_file_stamp(cnn_path), encoder=encoder_cfg,
-                            model=_file_stamp(tuned) if variant == FINETUNED else "encoder")
+            key = cache_key_hash(dict(task=spec.name, split=split, min_length=min_length, max_length=max_length,
+                                      classifier=_file_stamp(cnn_path), encoder=encoder_cfg,
+                                      model=_file_stamp(tuned) if variant == FINETUNED else "encoder"))
             hit = load_cached(cache, key, max_examples)
             if hit is not None:
                 pred, skipped = hit
