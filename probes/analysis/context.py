@@ -43,8 +43,10 @@ def _to_plain(cfg: DictConfig) -> dict:
 class AnalysisContext:
     """Config + output folder + lazy encoder/treebank/cache + writers (CSV/PNG/JSON, wandb)."""
 
-    def __init__(self, cfg: DictConfig, output_dir: str | os.PathLike, use_wandb: bool | None = None):
+    def __init__(self, cfg: DictConfig, output_dir: str | os.PathLike, use_wandb: bool | None = None,
+                 name: str | None = None):
         self.cfg = cfg
+        self._name = name
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         logger_cfg = cfg.get("logger") or {}
@@ -120,8 +122,47 @@ class AnalysisContext:
 
     @property
     def name(self) -> str:
-        """The analysis name: its function's name (= its config name, ``conf/analysis/<name>.yaml``)."""
+        """The analysis name = its config name (``conf/analysis/<name>.yaml``): the ``name`` argument, else
+        ``cfg.analysis_name`` (set by ``conf/analyze.yaml`` from Hydra's choice), else the function's name."""
+        if self._name:
+            return self._name
+        try:
+            name = self.cfg.get("analysis_name")
+        except Exception:  # ${hydra:...} outside a Hydra app (a config composed by hand)
+            name = None
+        if name:
+            return str(name)
         return str(self.cfg.analysis._target_).rsplit(".", 1)[-1]
+
+    # ----------------------------------------------------------------- settings the analyses read
+    @property
+    def data_dir(self) -> Path:
+        """Root of the data files (``paths.data_dir``: ``PROBES_DATA_DIR`` or ``<repo>/data``)."""
+        return Path(self.cfg.paths.data_dir)
+
+    @property
+    def cache_dir(self) -> Path:
+        """Root of the caches (``paths.cache_dir``: ``PROBES_CACHE_DIR`` or ``<repo>/.cache/probes``)."""
+        return Path(self.cfg.paths.cache_dir)
+
+    @property
+    def seed(self) -> int:
+        """The run's seed (``seed``, 0 when absent)."""
+        return int(self.cfg.get("seed", 0) or 0)
+
+    @property
+    def extract_cfg(self) -> DictConfig:
+        """The ``extract`` node (pooling, precision, map kinds); an empty node when absent."""
+        return self.cfg.get("extract") or OmegaConf.create({})
+
+    def measure(self, kind: str | None = None):
+        """``(kind, Measure)``: the map kind ``kind`` (default: ``extract.maps``, attention when unset) built
+        from ``extract.measures``."""
+        from probes.measures import build, from_config
+
+        if kind is None:
+            return from_config(self.extract_cfg)
+        return kind, build(kind, self.extract_cfg.get("measures"))
 
     def finish(self) -> None:
         if self._wandb_run is not None:
