@@ -1,20 +1,24 @@
 """Caches under concurrency: exactly one process builds an entry, the others wait and read it; a killed
 builder is taken over; the entry equals one built alone, and so does a probe trained on it."""
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 
-from probes.extract.cache import build_lock, entry_dir
-from probes.extract.run import _settings, cache_key, ensure_caches
+from probes.extract.cache import build_lock
+from probes.extract.run import ATTENTION, ensure_caches
+from probes.extract.runner import TreebankSplit, entry_path
+from probes.extract.settings import ExtractSettings
 from probes.train import train
-from tests.conftest import ROOT, chain_overrides, compose_train
+from tests.conftest import ROOT, chain_overrides, compose_train, write_chain_splits
 
 SPLITS = ("train", "dev", "test")
 
@@ -26,7 +30,8 @@ def _overrides(chain_data: Path, tmp: Path, cache: Path) -> list[str]:
 
 def _entries(cfg) -> dict[str, Path]:
     enc, tb = instantiate(cfg.encoder), instantiate(cfg.data.treebank)
-    return {s: entry_dir(cfg.paths.cache_dir, cache_key(enc, tb, s, _settings(cfg.extract), "32-true", None))
+    settings = ExtractSettings.from_config(cfg.extract)
+    return {s: entry_path(enc, ATTENTION, TreebankSplit(tb, s), settings, cfg.paths.cache_dir, "32-true")
             for s in SPLITS}
 
 
@@ -56,8 +61,6 @@ def _same_entry(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory):
     """Caches built by one process alone (the reference) and the chain treebank they come from."""
-    from tests.conftest import write_chain_splits
-
     tmp = tmp_path_factory.mktemp("alone")
     write_chain_splits(tmp)
     cfg = compose_train(_overrides(tmp / "data", tmp, tmp / "cache"))
@@ -97,9 +100,6 @@ def test_two_processes_build_one_entry(alone, tmp_path):
 def test_killed_builder_is_taken_over(alone, tmp_path, caplog):
     """A builder dies holding the lock with a half-written entry: the waiting builder (here a thread of this
     process) gets the lock and builds the entry anew."""
-    import logging
-    import threading
-
     data, reference = alone
     cfg = compose_train(_overrides(data, tmp_path, tmp_path / "cache"))
     entry = _entries(cfg)["train"]

@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from probes.analysis.clark.coref_heads import coref_source
+from probes.data.sources import Treebank
 from probes.extract import precision as P
-from probes.extract.cache import AttentionCache
+from probes.extract.cache import AttentionCache, cache_key, entry_dir
+from probes.extract.representations import HiddenStates
 from probes.extract.run import ensure_cache, ensure_caches
-from probes.extract.stage import AttentionExtractor, extract, make_batch, timing_batches
+from probes.extract.runner import TreebankSplit, entry_path
+from probes.extract.settings import ExtractSettings
+from probes.extract.stage import AttentionExtractor, AttentionMaps, extract, make_batch, precision_timer, \
+    pooling_matrices, timing_batches
 from probes.model.inputs import encode_words, length_batches, pool_attention, pooling_matrix
 from probes.model.load import Encoder, tiny_bert
 from tests.conftest import ROOT, WORDS, chain_overrides, compose_train
@@ -205,8 +212,6 @@ def test_resolve_precision_measures_once_and_keys_on_shape(tmp_path, monkeypatch
 
 
 def test_precision_timer_times_real_batches():
-    from probes.extract.stage import precision_timer
-
     enc = tiny_bert()
     encoded = encode_words(enc.tokenizer, SENTS)
     batches = timing_batches(encoded, enc.max_length, tokens=64, n=4)
@@ -220,8 +225,6 @@ def test_precision_timer_times_real_batches():
 # ----------------------------------------------------------------------------- stage entry points
 def test_ensure_caches_in_a_child_process_equal_in_process(chain_data, tmp_path):
     cfg = compose_train(chain_overrides(chain_data, tmp_path))
-    from hydra.utils import instantiate
-
     treebank = instantiate(cfg.data.treebank)
     got = ensure_caches(cfg.encoder, treebank, ["dev", "test"], cfg.extract, str(tmp_path / "c1"),
                         {"dev": 12}, child=True)
@@ -271,8 +274,6 @@ def test_random_encoder_name_covers_its_shape():
 
 
 def test_batched_pooling_matrices_equal_pooling_matrix():
-    from probes.extract.stage import pooling_matrices
-
     enc = tiny_bert()
     items = encode_words(enc.tokenizer, SENTS + [["Unbelievably", "éléphant", "antidisestablishmentarianism"]])
     T = max(e.n_pieces for e in items) + 3  # extra padding
@@ -282,3 +283,49 @@ def test_batched_pooling_matrices_equal_pooling_matrix():
             ref = torch.zeros(m.shape[1], T)
             ref[:e.n_words + 2, :e.n_pieces] = pooling_matrix(e.word_of_piece, e.n_words, mode)
             assert torch.equal(m[k], ref), (mode, k)
+
+
+# ----------------------------------------------------------------------------- cache keys
+PIN_CONLLU = ("# sent_id = a\n1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_\n2\tdog\tdog\tNOUN\t_\t_\t3\tnsubj\t_\t_\n"
+              "3\tbarked\tbark\tVERB\t_\t_\t0\troot\t_\t_\n\n# sent_id = b\n"
+              "1\tUnbelievably\tunbelievably\tADV\t_\t_\t2\tadvmod\t_\t_\n2\tlong\tlong\tADJ\t_\t_\t0\troot\t_\t_\n\n")
+
+
+def test_cache_keys_are_those_of_existing_caches(tmp_path):
+    """Entry names (key hashes) of every cache kind stay what they were, so users' caches stay valid.
+
+    The expected names were computed with the code before the extraction settings, key builder and runner
+    were unified (``probes.extract.run.cache_key``, ``probes.extract.representations._resolved`` and the key
+    written inline in ``probes.analysis.clark.coref_heads.coref_cache``, captured by replacing
+    ``probes.extract.stage.extract``), on the same treebank file, ``encoder=tiny`` and the ``extract`` node of
+    conf/ with ``extract.precision=32-true``. A change of conf/extract/default.yaml's measure options changes the
+    keys of that map kind, and should: it makes new entries.
+    """
+    (tmp_path / "pin").mkdir()
+    (tmp_path / "pin" / "pin-dev.conllu").write_text(PIN_CONLLU)
+    tb = Treebank(name="pin", data_dir=str(tmp_path), subdir="pin", files={"dev": "pin-dev.conllu"}, download=False)
+    cfg = compose_train(["encoder=tiny", "extract.precision=32-true"])
+    enc = instantiate(cfg.encoder)
+    s = ExtractSettings.from_config(cfg.extract)
+    dev = TreebankSplit(tb, "dev", None)
+
+    def name(kind, source, settings, precision="32-true"):
+        return entry_path(enc, kind, source, settings, "/c", precision).name
+
+    assert name(AttentionMaps(), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-1baccda766a00fb2"
+    assert name(AttentionMaps(), TreebankSplit(tb, "dev", 1), s) == "tiny-bert-6dbe4a76e6ed-pin-dev-83ab0f4b04c9285b"
+    assert name(AttentionMaps(), dev, s.replace(maps="rollout")) == "tiny-bert-6dbe4a76e6ed-pin-dev-db8e289c485e51d4"
+    assert name(AttentionMaps(), dev, s.replace(maps="flow", max_length=20), "bf16-mixed") == \
+        "tiny-bert-6dbe4a76e6ed-pin-dev-293c96e0c1bbf4e3"
+    assert name(HiddenStates(None, "mean"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-e03b4acb4cc7a40f"
+    assert name(HiddenStates((2, 0), "first"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-16ae26af8b32ca2f"
+    assert entry_path(enc, HiddenStates(None, "mean"), dev, s, "/c", "32-true").parent.name == "hidden"
+    coref = coref_source([], [], "gum", "dev", "0123456789abcdef", None)
+    fit = s.replace(max_length=40, long_sentences="error")
+    assert name(AttentionMaps(), coref, fit) == "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-0e168b2c1f7e7df0"
+    assert name(AttentionMaps(), coref, fit.replace(maps="rollout")) == \
+        "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-8c4649960c313d8e"
+    # one builder: the attention folder's name is entry_dir's of cache_key
+    assert entry_dir("/c", cache_key(enc, dev, AttentionMaps(), s, "32-true")).name == name(AttentionMaps(), dev, s)
+    with pytest.raises(ValueError, match="long_sentences=error"):
+        name(AttentionMaps(), coref, s)  # word lists are keyed without the policy: only 'error' is allowed

@@ -8,18 +8,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from conftest import TINY_CONLLU
+from conftest import TINY_CONLLU, compose_train
 from probes.data.sources import Treebank
 from probes.extract.representations import (RepresentationCache, build_hidden_cache, cached_hidden_path,
                                             ensure_hidden_caches)
 from probes.model.hidden import hidden_states
 from probes.model.tiny import tiny_encoder
 
-EXTRACT = dict(precision="32-true", max_length=None, long_sentences="skip", max_tokens=64, max_batch_size=2,
-               num_workers=0, from_words="mean", to_words="sum", max_pairs=None,
-               trainer=dict(_target_="pytorch_lightning.Trainer", accelerator="cpu", devices=1, logger=False,
-                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False))
+# conf/extract with small batches on the CPU, as a plain dict (the entry points take either)
+EXTRACT = OmegaConf.to_container(compose_train(
+    ["extract.precision=32-true", "extract.max_tokens=64", "extract.max_batch_size=2", "extract.max_pairs=null",
+     "extract.trainer.accelerator=cpu", "+extract.trainer.enable_progress_bar=false"]).extract, resolve=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,1 +1,7 @@
-"""Attention extraction stage: frozen encoder -> word-level attention cache."""
+"""Extraction stage: frozen encoder -> keyed on-disk caches of word-level maps and hidden states.
+
+:mod:`.settings` (the ``extract`` node as one object), :mod:`.cache` (on-disk format, the cache key of every
+kind, build lock), :mod:`.stage` (attention maps on Lightning's predict loop), :mod:`.representations`
+(hidden states), :mod:`.runner` (find or build an entry of any kind, in a child process if asked),
+:mod:`.run` (the attention caches of treebank splits), :mod:`.precision` (``precision=auto``).
+"""

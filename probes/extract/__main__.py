@@ -6,13 +6,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from probes.extract.run import run
+
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[2]))
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from probes.extract.run import run
-
+    """Build the caches of ``cfg.splits`` (:func:`probes.extract.run.run`)."""
     run(cfg)
 
 

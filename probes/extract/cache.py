@@ -1,4 +1,4 @@
-"""Keyed, versioned on-disk cache of word-level attention maps.
+"""Keyed, versioned on-disk cache of word-level attention maps (and the key of every cache kind).
 
 Layout of one cache entry (read lazily, one sentence at a time) `<cache_dir>/attention/<slug>-<hash>/`:
   manifest.json        key, sizes, shard list, skipped sentences (written last)
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 from probes.io import atomic_write_text
 
@@ -37,12 +38,28 @@ FORMAT_VERSION = 1
 
 
 def cache_key_hash(key: dict) -> str:
+    """The 16 hex digits that name a cache entry: sha256 of the key as sorted JSON."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def entry_dir(cache_dir: str | Path, key: dict) -> Path:
+def cache_key(encoder, source, kind, settings, precision: str) -> dict:
+    """Everything that changes an entry's contents, for every cache kind; its hash names the entry.
+
+    The fields common to every kind (format, encoder name and weights, ``max_length``, precision, storage),
+    then ``source.key_fields(settings)`` (which sentences: dataset, split, data digest, how many or how they
+    were made, the long-sentence policy where it applies) and ``kind.key_fields(encoder, settings)`` (what is
+    stored: pooling and map kind, or layers and pooling). ``source``/``kind``: the objects of
+    :mod:`probes.extract.runner`; ``settings``: an :class:`~probes.extract.settings.ExtractSettings`.
+    """
+    return dict(format_version=FORMAT_VERSION, encoder=encoder.name, revision=encoder.fingerprint,
+                max_length=settings.max_length_for(encoder), precision=precision, storage="float16",
+                **source.key_fields(settings), **kind.key_fields(encoder, settings))
+
+
+def entry_dir(cache_dir: str | Path, key: dict, folder: str = "attention") -> Path:
+    """``<cache_dir>/<folder>/<encoder>-<dataset>-<split>-<hash of key>`` (``folder``: the cache kind's)."""
     slug = "-".join(str(key[k]) for k in ("encoder", "dataset", "split")).replace("/", "_")
-    return Path(cache_dir) / "attention" / f"{slug}-{cache_key_hash(key)}"
+    return Path(cache_dir) / folder / f"{slug}-{cache_key_hash(key)}"
 
 
 def is_complete(final_dir: str | Path) -> bool:
@@ -67,8 +84,6 @@ def build_lock(final_dir: str | Path, poll_interval: float = 0.5, timeout: float
     kernel releases when its holder exits or dies, so a killed builder never blocks the others.
     ``timeout``: seconds to wait for another builder (None: no limit; raises ``TimeoutError``).
     """
-    from filelock import FileLock, Timeout
-
     final_dir, path = Path(final_dir), lock_path(final_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path))

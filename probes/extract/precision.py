@@ -18,7 +18,13 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from probes.extract import stage
 from probes.io import atomic_write_text
+
+try:  # not on every platform: `locked` then does not lock
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,7 @@ def precision_key(config, device: str) -> dict:
 
 
 def key_string(key: dict) -> str:
+    """The store's entry name of a decision key: ``k=v`` pairs sorted by name, joined by ``;``."""
     return ";".join(f"{k}={key[k]}" for k in sorted(key))
 
 
@@ -86,12 +93,13 @@ def key_string(key: dict) -> str:
 def locked(path: Path) -> Iterator[None]:
     """Exclusive lock on ``<path>.lock`` (fcntl); unlocked where there is no fcntl or the folder is read-only
     (concurrent writers may then both measure; the atomic rename still keeps the file whole)."""
+    if fcntl is None:
+        yield
+        return
     try:
-        import fcntl
-
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path.with_name(path.name + ".lock"), "a")
-    except (ImportError, OSError):
+    except OSError:
         yield
         return
     with f:
@@ -103,6 +111,7 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def read_store(path: Path) -> dict:
+    """The stored decisions (``{}`` when the file is missing or unreadable)."""
     try:
         data = json.loads(Path(path).read_text())
         return data if isinstance(data, dict) else {}
@@ -175,14 +184,10 @@ def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, s
             return hit
     elif lookup_only:
         return None
-    from probes.extract.stage import precision_timer
-
     if encoded is None:  # a spread-out sample is enough to find batches around the median length
-        from probes.extract.stage import encode_all
-
         sentences = list(sentences or [])
-        encoded = encode_all(encoder.tokenizer, [list(s) for s in sentences[::max(1, len(sentences) // 2000)]])
-    timer = precision_timer(encoder, encoded, device)
+        encoded = stage.encode_all(encoder.tokenizer, [list(s) for s in sentences[::max(1, len(sentences) // 2000)]])
+    timer = stage.precision_timer(encoder, encoded, device)
     if timer is None:  # nothing to time
         return cands[0]
     return choose(key, cands, timer, path)

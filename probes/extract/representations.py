@@ -9,26 +9,29 @@ A sentence with n words is stored as (L', n, D): L' = the stored layers in incre
 output, l = output of layer l), one row per word, pieces pooled to words (`mean` over the word's pieces,
 or its `first` piece; part of the key). Readers copy one sentence (or one layer of it) with `os.pread`.
 
-:func:`ensure_hidden_caches` builds missing entries in a child process (``python -m
-probes.extract.representations``), so a training process never holds the encoder.
+The cache kind is :class:`HiddenStates` (keyed, found, built and run in a child process by
+:mod:`probes.extract.runner`); :func:`ensure_hidden_caches` builds missing entries in a child process, so a
+training process never holds the encoder.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
-import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from probes.extract import cache as C
+from probes.extract import runner
+from probes.extract.runner import TreebankSplit
+from probes.extract.settings import ExtractSettings
 from probes.extract.stage import CacheWriter, SentenceBatches, _extraction_peer, encode_all, select
 from probes.model.hidden import check_layers, hidden_states
 from probes.model.inputs import Encoded, length_batches
@@ -42,17 +45,7 @@ POOLINGS = ("mean", "first")  # pieces -> word: mean over the word's pieces (Hew
 
 def hidden_entry_dir(cache_dir: str | Path, key: dict) -> Path:
     """``<cache_dir>/hidden/<encoder>-<dataset>-<split>-<hash of key>`` (named as attention entries are)."""
-    return Path(cache_dir) / "hidden" / C.entry_dir(cache_dir, key).name
-
-
-def hidden_key(encoder: Encoder, treebank, split: str, layers: list[int], pooling: str, settings: Mapping,
-               precision: str, max_sentences: int | None) -> dict:
-    """Everything that changes the stored states; its hash names the entry."""
-    return dict(format_version=C.FORMAT_VERSION, hidden_format=HIDDEN_FORMAT, kind="hidden",
-                encoder=encoder.name, revision=encoder.fingerprint, dataset=treebank.name, split=split,
-                data_sha256=treebank.file_sha256(split), max_sentences=max_sentences, layers=list(layers),
-                pooling=pooling, max_length=settings.get("max_length") or encoder.max_length,
-                long_sentences=settings["long_sentences"], precision=precision, storage="float16")
+    return C.entry_dir(cache_dir, key, HiddenStates.folder)
 
 
 class HiddenShardWriter(C.ShardWriter):
@@ -164,10 +157,9 @@ def extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cach
 def _extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
                     trainer: Callable[..., pl.Trainer], max_length: int | None = None, long_sentences: str = "skip",
                     max_tokens: int = 4096, max_batch_size: int = 128, num_workers: int = 0,
-                    encoded: list[Encoded] | None = None, **_ignored) -> RepresentationCache:
+                    encoded: list[Encoded] | None = None) -> RepresentationCache:
     """Build the entry. Sentences run in length batches (``max_tokens`` pieces, ``max_batch_size`` sentences)
-    on Lightning's predict loop (the GPU when the trainer has one; one shard per rank under DDP). Settings
-    that only concern attention maps (``from_words``, ``to_words``, ``max_pairs``) are ignored."""
+    on Lightning's predict loop (the GPU when the trainer has one; one shard per rank under DDP)."""
     final_dir = hidden_entry_dir(cache_dir, key)
     if key["pooling"] not in POOLINGS:
         raise ValueError(f"data.hidden.pooling must be one of {POOLINGS}, got '{key['pooling']}'")
@@ -193,126 +185,72 @@ def _extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cac
     return RepresentationCache(final_dir)
 
 
+# ----------------------------------------------------------------------------- cache kind
+@dataclass(frozen=True)
+class HiddenStates:
+    """The hidden-state cache kind (:mod:`probes.extract.runner`): per-word states of ``layers`` (None: all,
+    0..L) pooled by ``pooling`` (``data.hidden`` of ``conf/data/hidden_probe.yaml``), in ``<cache_dir>/hidden``."""
+
+    layers: tuple[int, ...] | None
+    pooling: str
+
+    folder = "hidden"
+    what = "hidden-state"
+
+    @classmethod
+    def from_config(cls, hidden_cfg: HiddenStates | DictConfig | Mapping) -> HiddenStates:
+        """From the ``hidden`` node (``layers``, ``pooling``); a :class:`HiddenStates` is returned as is."""
+        if isinstance(hidden_cfg, HiddenStates):
+            return hidden_cfg
+        if isinstance(hidden_cfg, DictConfig):
+            hidden_cfg = OmegaConf.to_container(hidden_cfg, resolve=True)
+        layers = hidden_cfg["layers"]
+        return cls(None if layers is None else tuple(int(l) for l in layers), str(hidden_cfg["pooling"]))
+
+    def stored_layers(self, encoder: Encoder) -> list[int]:
+        """The layers an entry stores, sorted and distinct (None: 0..L)."""
+        return list(range(encoder.num_layers + 1)) if self.layers is None else sorted(set(self.layers))
+
+    def key_fields(self, encoder: Encoder, settings: ExtractSettings) -> dict:
+        """The cache's layout version, the stored layers and the pooling."""
+        return dict(hidden_format=HIDDEN_FORMAT, kind="hidden", layers=self.stored_layers(encoder),
+                    pooling=self.pooling)
+
+    def build(self, encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
+              trainer: Callable[..., pl.Trainer], settings: ExtractSettings) -> RepresentationCache:
+        """:func:`extract_hidden` with the settings' length policy and batch budget (``max_pairs`` and the
+        attention pooling do not apply)."""
+        return extract_hidden(encoder, sentences, key, cache_dir, trainer, max_length=settings.max_length,
+                              long_sentences=settings.long_sentences, max_tokens=settings.max_tokens,
+                              max_batch_size=settings.max_batch_size, num_workers=settings.num_workers)
+
+    def open(self, path: str | Path) -> RepresentationCache:
+        """The complete entry at ``path``."""
+        return RepresentationCache(path)
+
+
 # ----------------------------------------------------------------------------- cache stage
-def _settings(cfg) -> dict:
-    from omegaconf import DictConfig, OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else json.loads(json.dumps(dict(cfg)))
-
-
-def _resolved(encoder: Encoder, treebank, split: str, extract_cfg: dict, hidden_cfg: dict, cache_dir: str,
-              max_sentences: int | None, words: list[list[str]] | None) -> tuple[dict, dict | None]:
-    """(key, partial-trainer settings); None precision when ``auto`` is not measured yet and ``words`` is None."""
-    from probes.extract.precision import resolve_precision
-
-    cfg = dict(extract_cfg)
-    trainer_cfg = cfg.pop("trainer")
-    precision = resolve_precision(cfg.pop("precision"), trainer_cfg.get("accelerator", "auto"), encoder,
-                                  sentences=words, cache_dir=cache_dir, lookup_only=words is None)
-    if precision is None:
-        return {}, None
-    layers = list(range(encoder.num_layers + 1)) if hidden_cfg.get("layers") is None else \
-        sorted({int(l) for l in hidden_cfg["layers"]})
-    key = hidden_key(encoder, treebank, split, layers, hidden_cfg["pooling"], cfg, precision, max_sentences)
-    return key, dict(trainer_cfg=trainer_cfg, precision=precision, settings=cfg)
-
-
-def build_hidden_cache(encoder: Encoder, treebank, split: str, extract_cfg, hidden_cfg, cache_dir: str,
+def build_hidden_cache(encoder: Encoder, treebank, split: str, extract_cfg, hidden_cfg, cache_dir: str | Path,
                        max_sentences: int | None = None) -> RepresentationCache:
     """Read the split and extract its hidden states in this process unless cached."""
-    from hydra.utils import instantiate
-
-    words = [list(s.words) for s in treebank.read(split)[:max_sentences]]
-    key, run = _resolved(encoder, treebank, split, _settings(extract_cfg), _settings(hidden_cfg), cache_dir,
-                         max_sentences, words)
-    trainer = instantiate(run["trainer_cfg"], precision=run["precision"], _partial_=True)
-    return extract_hidden(encoder, words, key, cache_dir, trainer, **run["settings"])
+    return runner.build(encoder, HiddenStates.from_config(hidden_cfg), TreebankSplit(treebank, split, max_sentences),
+                        extract_cfg, cache_dir)
 
 
-def cached_hidden_path(encoder: Encoder, treebank, split: str, extract_cfg, hidden_cfg, cache_dir: str,
+def cached_hidden_path(encoder: Encoder, treebank, split: str, extract_cfg, hidden_cfg, cache_dir: str | Path,
                        max_sentences: int | None = None) -> Path | None:
     """The complete entry of ``split`` if it exists (found without loading the encoder's weights)."""
-    key, run = _resolved(encoder, treebank, split, _settings(extract_cfg), _settings(hidden_cfg), cache_dir,
-                         max_sentences, None)
-    if run is None:
-        return None
-    path = hidden_entry_dir(cache_dir, key)
-    return path if C.is_complete(path) else None
+    return runner.cached(encoder, HiddenStates.from_config(hidden_cfg), TreebankSplit(treebank, split, max_sentences),
+                         extract_cfg, cache_dir)
 
 
-def ensure_hidden_caches(encoder, treebank, splits: Sequence[str], extract_cfg, hidden_cfg, cache_dir: str,
+def ensure_hidden_caches(encoder, treebank, splits: Sequence[str], extract_cfg, hidden_cfg, cache_dir: str | Path,
                          max_sentences: Mapping[str, int | None] | None = None, child: bool = True
                          ) -> dict[str, RepresentationCache]:
     """``{split: cache}``; missing entries are built first, in a child interpreter when ``encoder`` is a
     config and ``child`` (so this process never loads the weights), else here (weights released after)."""
-    from hydra.utils import instantiate
-
     max_sentences = dict(max_sentences or {})
     splits = list(dict.fromkeys(splits))
-    enc = encoder if isinstance(encoder, Encoder) else instantiate(encoder)
-    paths = {s: cached_hidden_path(enc, treebank, s, extract_cfg, hidden_cfg, cache_dir, max_sentences.get(s))
-             for s in splits}
-    missing = [s for s in splits if paths[s] is None]
-    for s in splits:
-        if s not in missing:
-            log.info("hidden-state cache hit: %s", paths[s])
-    if missing and child and not isinstance(encoder, Encoder):
-        paths.update(_spawn(encoder, treebank, missing, extract_cfg, hidden_cfg, cache_dir, max_sentences))
-    elif missing:
-        for s in missing:
-            paths[s] = build_hidden_cache(enc, treebank, s, extract_cfg, hidden_cfg, cache_dir,
-                                          max_sentences.get(s)).path
-        enc.release()
-    return {s: RepresentationCache(paths[s]) for s in splits}
-
-
-def _spawn(encoder_cfg, treebank, splits: list[str], extract_cfg, hidden_cfg, cache_dir: str,
-           max_sentences: dict) -> dict[str, Path]:
-    """Run :func:`_child` in a fresh interpreter; its {split: path}, or its error raised here."""
-    import pickle
-    import subprocess
-    import sys
-
-    req = dict(encoder_cfg=_settings(encoder_cfg), treebank=treebank, splits=list(splits),
-               extract_cfg=_settings(extract_cfg), hidden_cfg=_settings(hidden_cfg), cache_dir=str(cache_dir),
-               max_sentences=dict(max_sentences), log_level=logging.getLogger().getEffectiveLevel())
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    with tempfile.TemporaryDirectory(prefix="probes-hidden-") as tmp:
-        payload, result = Path(tmp) / "request.pkl", Path(tmp) / "result.json"
-        payload.write_bytes(pickle.dumps(req))
-        log.info("extracting hidden states of %s in a child process", ", ".join(splits))
-        rc = subprocess.run([sys.executable, "-m", "probes.extract.representations", str(payload), str(result)],
-                            env=env).returncode
-        res = json.loads(result.read_text()) if result.exists() else {}
-    if rc == 0 and "paths" in res:
-        return {s: Path(v) for s, v in res["paths"].items()}
-    raise RuntimeError(f"hidden-state extraction in the child process failed (exit code {rc}): "
-                       f"{res.get('error', 'no result written (killed?)')}\n{res.get('traceback', '')}")
-
-
-def _child(payload: str, result: str) -> None:
-    """Child process: build the requested entries; write {"paths": {split: path}} or {"error", "traceback"}."""
-    import pickle
-
-    from hydra.utils import instantiate
-
-    from probes.io import atomic_write_text
-
-    req = pickle.loads(Path(payload).read_bytes())
-    logging.basicConfig(level=req["log_level"], format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    try:
-        encoder, out = instantiate(req["encoder_cfg"]), {}
-        for s in req["splits"]:
-            out[s] = str(build_hidden_cache(encoder, req["treebank"], s, req["extract_cfg"], req["hidden_cfg"],
-                                            req["cache_dir"], req["max_sentences"].get(s)).path)
-        atomic_write_text(result, json.dumps(dict(paths=out)))
-    except BaseException as e:
-        atomic_write_text(result, json.dumps(dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())))
-        raise
-
-
-if __name__ == "__main__":  # the child of :func:`ensure_hidden_caches`
-    import sys
-
-    _child(sys.argv[1], sys.argv[2])
+    sources = [TreebankSplit(treebank, s, max_sentences.get(s)) for s in splits]
+    caches = runner.ensure(encoder, HiddenStates.from_config(hidden_cfg), sources, extract_cfg, cache_dir, child=child)
+    return dict(zip(splits, caches))

@@ -11,6 +11,7 @@ import logging
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +21,7 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, Dataset
 
 from probes.extract import cache as C
-from probes.extract.precision import resolve_precision  # noqa: F401  (re-exported: the stage's precision)
+from probes.measures import build
 from probes.model import hooks
 from probes.model.inputs import Encoded, encode_words, length_batches, pad_encoded, pooling_matrix
 from probes.model.load import Encoder
@@ -297,8 +298,6 @@ def _extract(
 
     ``encoded``: the sentences already through :func:`encode_words` (saves tokenizing twice).
     ``maps``: the map kind, built from ``measures[maps]`` (:mod:`probes.measures`)."""
-    from probes.measures import build
-
     final_dir = C.entry_dir(cache_dir, key)
     if (final_dir / "manifest.json").exists():
         log.info("attention cache hit: %s", final_dir)
@@ -326,3 +325,28 @@ def _extract(
     t.predict(AttentionExtractor(encoder.model, encoder.num_layers, None if maps == "attention" else measure),
               loader, return_predictions=False)
     return C.AttentionCache(final_dir)
+
+
+@dataclass(frozen=True)
+class AttentionMaps:
+    """The attention-cache kind (:mod:`probes.extract.runner`): word-level maps of the map kind ``extract.maps``,
+    pooled ``from_words`` / ``to_words``, in ``<cache_dir>/attention``."""
+
+    folder = "attention"
+    what = "attention"
+
+    def key_fields(self, encoder: Encoder, settings) -> dict:
+        """Pooling and, for map kinds other than attention, the kind and its options."""
+        return dict(from_words=settings.from_words, to_words=settings.to_words, **settings.map_key())
+
+    def build(self, encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
+              trainer: Callable[..., pl.Trainer], settings) -> C.AttentionCache:
+        """:func:`extract` with the settings' pooling, length policy, batching and map kind."""
+        return extract(encoder, sentences, key, cache_dir, trainer, from_words=settings.from_words,
+                       to_words=settings.to_words, max_length=settings.max_length,
+                       long_sentences=settings.long_sentences, maps=settings.maps, measures=settings.measures,
+                       **settings.batching())
+
+    def open(self, path: str | Path) -> C.AttentionCache:
+        """The complete entry at ``path``."""
+        return C.AttentionCache(path)

@@ -50,14 +50,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from probes.analysis import plots
 from probes.analysis.naming import head_name
-from probes.data.coref import CorefDocument, Mention, pronoun_features
-from probes.measures import from_config
+from probes.data.coref import (CorefDocument, Mention, pronoun_features, read_gum_coref, read_litbank,
+                               read_ontogum)
+from probes.extract import runner
+from probes.extract.runner import WordLists
+from probes.extract.settings import ExtractSettings
+from probes.extract.stage import AttentionMaps
+from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +86,6 @@ class Segment:
 
 def sentence_pieces(tokenizer, docs: list[CorefDocument]) -> list[list[int]]:
     """Wordpieces of every sentence (no [CLS]/[SEP]), tokenized from its words as the cache does."""
-    from probes.model.inputs import encode_words
-
     flat = [list(s.words) for d in docs for s in d.sentences]
     enc = encode_words(tokenizer, flat) if flat else []
     out, k = [], 0
@@ -283,10 +287,7 @@ def tables(acc: CorefAccumulator) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def figure(acc: CorefAccumulator, table: pd.DataFrame):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots
-
+    """Accuracy of every head (left) and Table 2's methods per mention type (right)."""
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, max(3.2, 0.4 * acc.L + 1.5)),
                                    gridspec_kw=dict(width_ratios=[1.1, 1]))
     a = 100 * acc.head_accuracy("all")
@@ -317,22 +318,20 @@ def _sha(paths: list[Path]) -> str:
 def load_documents(ctx, gum, source: str, split: str, max_documents: int | None,
                    ontogum_dir: str = "gum_coref_ontogum", litbank_dir: str = "litbank_coref/conll"):
     """(documents with singletons removed, dataset name, data digest, files); ``gum``: the UD GUM Treebank."""
-    from probes.data import coref as C
-
-    data_dir = Path(ctx.cfg.paths.data_dir)
+    data_dir = ctx.data_dir
     if source == "gum":
         tb = gum
         path = tb.ensure(split)
-        docs, files, name = C.read_gum_coref(path), [path], "gum"
+        docs, files, name = read_gum_coref(path), [path], "gum"
     elif source == "ontogum":
         tb = gum
         conll = data_dir / ontogum_dir / f"ontogum_{split}.conll"
         ud = tb.ensure(split)
-        docs, files, name = C.read_ontogum(conll, ud), [conll, ud], "ontogum"
+        docs, files, name = read_ontogum(conll, ud), [conll, ud], "ontogum"
     elif source == "litbank":
         folder = data_dir / litbank_dir
         files = sorted(folder.glob("*.conll"))[:max_documents]
-        docs, name = C.read_litbank(folder, max_documents), "litbank"
+        docs, name = read_litbank(folder, max_documents), "litbank"
         split = "all" if max_documents is None else f"first{max_documents}"
     else:
         raise ValueError(f"analysis.source must be gum, ontogum or litbank, got {source!r}")
@@ -341,33 +340,22 @@ def load_documents(ctx, gum, source: str, split: str, max_documents: int | None,
     return [d.without_singletons() for d in docs], name, split, _sha(files)
 
 
+def coref_source(docs, segments, dataset: str, split: str, digest: str, max_documents: int | None) -> WordLists:
+    """The segments' word lists, named in the cache key by the documents' data (dataset, split, digest,
+    ``max_documents``) and the segmentation rule."""
+    words = [[w for s in docs[g.doc].sentences[g.first_sentence:g.last_sentence] for w in s.words] for g in segments]
+    return WordLists(words, dict(dataset=f"{dataset}-coref-segments", split=split, data_sha256=digest,
+                                 max_documents=max_documents,
+                                 segmentation=f"greedy-whole-sentences-v{SEGMENT_FORMAT}"))
+
+
 def coref_cache(ctx, docs, segments, dataset: str, split: str, digest: str, max_length: int,
                 max_documents: int | None):
-    """Word-level attention of every segment through :func:`probes.extract.stage.extract`."""
-    from hydra.utils import instantiate
-
-    from probes.extract.cache import FORMAT_VERSION
-    from probes.extract.precision import resolve_precision
-    from probes.extract.stage import extract
-
-    cfg = ctx.cfg.extract
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    enc = ctx.encoder
-    words = [[w for s in docs[g.doc].sentences[g.first_sentence:g.last_sentence] for w in s.words] for g in segments]
-    trainer_cfg = cfg.pop("trainer")
-    precision = resolve_precision(cfg.pop("precision"), trainer_cfg.get("accelerator", "auto"), enc,
-                                  sentences=words, cache_dir=ctx.cfg.paths.cache_dir)
-    cfg["max_length"] = max_length
-    cfg["long_sentences"] = "error"  # segments are built to fit
-    key = dict(format_version=FORMAT_VERSION, encoder=enc.name, revision=enc.fingerprint,
-               dataset=f"{dataset}-coref-segments", split=split, data_sha256=digest, max_documents=max_documents,
-               segmentation=f"greedy-whole-sentences-v{SEGMENT_FORMAT}", max_length=max_length,
-               from_words=cfg["from_words"], to_words=cfg["to_words"], precision=precision, storage="float16")
-    kind = cfg.get("maps", "attention")
-    if kind != "attention":  # map kind (extract.maps) and its options; attention keeps the key it always had
-        key["maps"] = dict(kind=kind, **cfg["measures"][kind])
-    trainer = instantiate(trainer_cfg, precision=precision, _partial_=True)
-    return extract(enc, words, key, ctx.cfg.paths.cache_dir, trainer, **cfg)
+    """Word-level maps (``extract.maps``) of every segment: an attention-cache entry built by
+    :func:`probes.extract.runner.build` (segments are made to fit ``max_length``: ``long_sentences=error``)."""
+    settings = ExtractSettings.from_config(ctx.extract_cfg).replace(max_length=max_length, long_sentences="error")
+    source = coref_source(docs, segments, dataset, split, digest, max_documents)
+    return runner.build(ctx.encoder, AttentionMaps(), source, settings, ctx.cache_dir)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -380,7 +368,7 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
     t0 = time.time()
     docs, dataset, split, digest = load_documents(ctx, gum, source, split, max_documents, ontogum_dir, litbank_dir)
     enc = ctx.encoder
-    kind, measure = from_config(ctx.cfg.extract)
+    kind, measure = ctx.measure()
     max_length = int(max_length or enc.max_length)
     if measure.max_pieces:  # e.g. flow: segments no longer than the measure accepts
         max_length = min(max_length, measure.max_pieces)

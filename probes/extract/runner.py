@@ -1,0 +1,216 @@
+"""One way to get a cache entry of any kind: key it, find it, or build it (here or in a child process).
+
+A *cache kind* says what an entry stores (its folder, its key fields, how it is built and opened):
+:class:`probes.extract.stage.AttentionMaps` (word-level maps of any map kind) and
+:class:`probes.extract.representations.HiddenStates` (per-word hidden states of chosen layers). A *source*
+says which sentences: :class:`TreebankSplit` (the first ``max_sentences`` of a treebank split) or
+:class:`WordLists` (any word lists, e.g. an analysis's document segments, named by the caller's fields).
+Every entry is keyed by :func:`probes.extract.cache.cache_key` and extracted with the settings of one
+:class:`~probes.extract.settings.ExtractSettings`.
+
+:func:`build` makes one entry in this process; :func:`ensure` returns the entries of several sources and,
+given the encoder's config, builds the missing ones in a child interpreter (``python -m
+probes.extract.runner``: it loads the weights, resolves ``precision=auto``, writes the entries and exits), so
+the calling process (a training job) never holds the encoder's weights or the extraction's buffers. Kinds and
+sources are plain picklable objects: the child receives them as they are, nothing is chosen by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pytorch_lightning as pl
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from probes.extract import cache as C
+from probes.extract.settings import ExtractSettings
+from probes.io import atomic_write_text
+from probes.model.load import Encoder
+
+if TYPE_CHECKING:
+    from probes.data.sources import Treebank
+
+log = logging.getLogger(__name__)
+
+
+class CacheKind(Protocol):
+    """What a cache entry stores; implemented by :class:`~probes.extract.stage.AttentionMaps` and
+    :class:`~probes.extract.representations.HiddenStates`."""
+
+    folder: str  # entries live in <cache_dir>/<folder>/
+    what: str  # in log lines and errors: "attention", "hidden-state"
+
+    def key_fields(self, encoder: Encoder, settings: ExtractSettings) -> dict:
+        """The kind's part of the cache key."""
+
+    def build(self, encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
+              trainer: Callable[..., pl.Trainer], settings: ExtractSettings) -> Any:
+        """Write (or reuse) the entry for ``key``; returns its reader."""
+
+    def open(self, path: str | Path) -> Any:
+        """The reader of the complete entry at ``path``."""
+
+
+@dataclass(frozen=True)
+class TreebankSplit:
+    """The first ``max_sentences`` sentences (file order; None: all) of ``split`` of ``treebank``."""
+
+    treebank: Treebank
+    split: str
+    max_sentences: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The split's name (log lines)."""
+        return self.split
+
+    def key_fields(self, settings: ExtractSettings) -> dict:
+        """Dataset, split, the file's sha256, ``max_sentences`` and the long-sentence policy (which of them are kept)."""
+        return dict(dataset=self.treebank.name, split=self.split, data_sha256=self.treebank.file_sha256(self.split),
+                    max_sentences=self.max_sentences, long_sentences=settings.long_sentences)
+
+    def words(self) -> list[list[str]]:
+        """The sentences as word lists (the Sentence objects are not kept)."""
+        return [list(s.words) for s in self.treebank.read(self.split)[:self.max_sentences]]
+
+
+@dataclass(frozen=True)
+class WordLists:
+    """Word lists made by the caller (e.g. document segments), named in the key by ``fields`` (``dataset``,
+    ``split``, ``data_sha256`` and whatever else decides them, e.g. how they were made).
+
+    They are made to fit ``max_length``, so they are extracted with ``long_sentences=error`` and the policy
+    is not part of their key.
+    """
+
+    sentences: list[list[str]]
+    fields: Mapping[str, Any]
+
+    @property
+    def label(self) -> str:
+        """``<dataset>/<split>`` (log lines)."""
+        return f"{self.fields['dataset']}/{self.fields['split']}"
+
+    def key_fields(self, settings: ExtractSettings) -> dict:
+        """``fields``; an error unless ``settings.long_sentences`` is ``error``."""
+        if settings.long_sentences != "error":
+            raise ValueError(f"word lists ({self.label}) are extracted with long_sentences=error (they are made to "
+                             f"fit max_length; the policy is not part of their key), got {settings.long_sentences!r}")
+        return dict(self.fields)
+
+    def words(self) -> list[list[str]]:
+        """The word lists."""
+        return [list(s) for s in self.sentences]
+
+
+def entry_path(encoder: Encoder, kind: CacheKind, source, settings: ExtractSettings, cache_dir: str | Path,
+               precision: str) -> Path:
+    """Where the entry of ``source`` for ``kind`` extracted at ``precision`` lives (complete or not)."""
+    return C.entry_dir(cache_dir, C.cache_key(encoder, source, kind, settings, precision), kind.folder)
+
+
+def cached(encoder: Encoder, kind: CacheKind, source, settings: ExtractSettings | DictConfig | Mapping,
+           cache_dir: str | Path) -> Path | None:
+    """The complete entry of ``source`` if it exists, found without loading the encoder's weights (None also
+    when ``precision=auto`` has not been measured on this machine yet)."""
+    settings = ExtractSettings.from_config(settings)
+    precision = settings.resolve_precision(encoder, cache_dir=cache_dir, lookup_only=True)
+    if precision is None:
+        return None
+    path = entry_path(encoder, kind, source, settings, cache_dir, precision)
+    return path if C.is_complete(path) else None
+
+
+def build(encoder: Encoder, kind: CacheKind, source, settings: ExtractSettings | DictConfig | Mapping,
+          cache_dir: str | Path, words: list[list[str]] | None = None):
+    """Read ``source``'s sentences (``words``: already read by the caller), resolve the precision on them, key
+    the entry and build it in this process unless it is complete; returns the kind's reader."""
+    settings = ExtractSettings.from_config(settings)
+    words = source.words() if words is None else words
+    precision = settings.resolve_precision(encoder, sentences=words, cache_dir=cache_dir)
+    key = C.cache_key(encoder, source, kind, settings, precision)
+    return kind.build(encoder, words, key, cache_dir, settings.make_trainer(precision), settings)
+
+
+def ensure(encoder: DictConfig | Mapping | Encoder, kind: CacheKind, sources: Sequence,
+           settings: ExtractSettings | DictConfig | Mapping, cache_dir: str | Path, child: bool = True) -> list:
+    """The readers of the entries of ``sources`` (same order); the missing entries are built first.
+
+    ``encoder``: its Hydra config (instantiated here, which loads its config and tokenizer only) or an
+    :class:`~probes.model.load.Encoder`. With ``child=True`` and a config, the missing entries are built in a
+    child interpreter and this process only opens them; with an ``Encoder`` (not picklable) or ``child=False``
+    they are built here and the weights released after.
+    """
+    settings = ExtractSettings.from_config(settings)
+    enc = encoder if isinstance(encoder, Encoder) else instantiate(encoder)
+    paths = [cached(enc, kind, s, settings, cache_dir) for s in sources]
+    missing = [i for i, p in enumerate(paths) if p is None]
+    for p in paths:
+        if p is not None:
+            log.info("%s cache hit: %s", kind.what, p)
+    if missing and child and not isinstance(encoder, Encoder):
+        built = _spawn(encoder, kind, [sources[i] for i in missing], settings, cache_dir)
+        for i, p in zip(missing, built):
+            paths[i] = p
+    elif missing:
+        for i in missing:
+            paths[i] = build(enc, kind, sources[i], settings, cache_dir).path
+        enc.release()
+    return [kind.open(p) for p in paths]
+
+
+def _plain(node: DictConfig | Mapping) -> dict:
+    """A resolved plain dict of a config node (picklable, no OmegaConf objects)."""
+    return OmegaConf.to_container(node if isinstance(node, DictConfig) else OmegaConf.create(dict(node)), resolve=True)
+
+
+def _spawn(encoder_cfg: DictConfig | Mapping, kind: CacheKind, sources: list, settings: ExtractSettings,
+           cache_dir: str | Path) -> list[Path]:
+    """Run :func:`_child` in a fresh interpreter (``python -m probes.extract.runner``: nothing of this
+    process, not even its ``__main__``, is re-imported); the entries' paths, or its error raised here."""
+    req = dict(encoder_cfg=_plain(encoder_cfg), kind=kind, sources=list(sources), settings=settings,
+               cache_dir=str(cache_dir), log_level=logging.getLogger().getEffectiveLevel())
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the `probes` package
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    with tempfile.TemporaryDirectory(prefix=f"probes-{kind.folder}-") as tmp:
+        payload, result = Path(tmp) / "request.pkl", Path(tmp) / "result.json"
+        payload.write_bytes(pickle.dumps(req))
+        log.info("extracting %s of %s in a child process (the encoder is loaded there, not here)", kind.what,
+                 ", ".join(s.label for s in sources))
+        rc = subprocess.run([sys.executable, "-m", "probes.extract.runner", str(payload), str(result)],
+                            env=env).returncode
+        res = json.loads(result.read_text()) if result.exists() else {}
+    if rc == 0 and "paths" in res:
+        return [Path(p) for p in res["paths"]]
+    raise RuntimeError(f"{kind.what} extraction in the child process failed (exit code {rc}): "
+                       f"{res.get('error', 'no result written (killed?)')}\n{res.get('traceback', '')}")
+
+
+def _child(payload: str, result: str) -> None:
+    """Child process (``python -m probes.extract.runner PAYLOAD RESULT``): build the entries of the pickled
+    request; write ``{"paths": [...]}`` (or ``{"error", "traceback"}``) to ``result``."""
+    req = pickle.loads(Path(payload).read_bytes())
+    logging.basicConfig(level=req["log_level"], format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    try:
+        encoder = instantiate(req["encoder_cfg"])
+        paths = [str(build(encoder, req["kind"], s, req["settings"], req["cache_dir"]).path) for s in req["sources"]]
+        atomic_write_text(result, json.dumps(dict(paths=paths)))
+    except BaseException as e:
+        atomic_write_text(result, json.dumps(dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())))
+        raise
+
+
+if __name__ == "__main__":  # the child of :func:`ensure`
+    _child(sys.argv[1], sys.argv[2])

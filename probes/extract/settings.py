@@ -1,0 +1,101 @@
+"""The ``extract`` config node as one object: pooling, length policy, precision, map kind, batching, Trainer.
+
+Every place that extracts (the attention and hidden-state caches of a treebank split, the maps of an
+analysis's own sentences) reads its settings through :class:`ExtractSettings`, so the precision is
+resolved, the Trainer made and the settings passed to the stage in one way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from probes.extract import precision as P
+from probes.measures import Measure, build
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """The settings of ``conf/extract/default.yaml`` (one field per key; see that file for their meaning).
+
+    Built with :meth:`from_config`; the mappings (``measures``, ``trainer``) are plain resolved dicts and
+    are not to be modified (use :meth:`replace`).
+    """
+
+    from_words: str  # attention FROM a split word: mean | sum | first over its pieces
+    to_words: str  # attention TO a split word
+    max_length: int | None  # wordpieces incl. specials; None: the encoder's usable length
+    long_sentences: str  # skip | error
+    precision: str  # a Lightning precision, or auto (measured, :mod:`probes.extract.precision`)
+    maps: str  # the map kind, one of ``measures``
+    measures: Mapping[str, Mapping[str, Any]]  # {kind: {_target_: ..., options}}
+    max_tokens: int  # wordpieces per batch
+    max_batch_size: int  # sentences per batch
+    max_pairs: int | None  # batch size * longest^2 per batch (attention maps); None: no bound
+    num_workers: int  # DataLoader processes
+    trainer: Mapping[str, Any]  # the extraction Trainer's node (``_target_`` and arguments, no precision)
+
+    @classmethod
+    def from_config(cls, node: ExtractSettings | DictConfig | Mapping) -> ExtractSettings:
+        """From the ``extract`` node (a DictConfig, resolved) or a plain mapping with the same keys; an
+        :class:`ExtractSettings` is returned as is. Every key of ``conf/extract/default.yaml`` is required."""
+        if isinstance(node, ExtractSettings):
+            return node
+        if not isinstance(node, DictConfig):
+            node = OmegaConf.create(dict(node))
+        plain = OmegaConf.to_container(node, resolve=True)
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing, unknown = [n for n in names if n not in plain], sorted(set(plain) - set(names))
+        if missing or unknown:
+            raise ValueError(f"extract settings: missing keys {missing}, unknown keys {unknown} "
+                             f"(conf/extract/default.yaml lists every key: {', '.join(names)})")
+        return cls(**{n: plain[n] for n in names})
+
+    def replace(self, **changes) -> ExtractSettings:
+        """A copy with ``changes`` (e.g. ``max_length`` and ``long_sentences`` for sentences made to fit)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def accelerator(self) -> str:
+        """The extraction Trainer's accelerator (``trainer.accelerator``; ``auto`` when unset)."""
+        return str(self.trainer.get("accelerator", "auto"))
+
+    def resolve_precision(self, encoder, sentences: Sequence[Sequence[str]] | None = None,
+                          cache_dir: str | Path | None = None, lookup_only: bool = False) -> str | None:
+        """The precision to extract with (:func:`probes.extract.precision.resolve_precision`: ``auto`` is
+        measured on ``sentences``, or only looked up with ``lookup_only``, then None when not measured yet)."""
+        return P.resolve_precision(self.precision, self.accelerator, encoder, sentences=sentences,
+                                   cache_dir=cache_dir, lookup_only=lookup_only)
+
+    def make_trainer(self, precision: str) -> Callable[..., pl.Trainer]:
+        """A partial Trainer constructor (``trainer`` node at ``precision``); the stage adds its callbacks."""
+        return instantiate(dict(self.trainer), precision=precision, _partial_=True)
+
+    def max_length_for(self, encoder) -> int:
+        """``max_length``, or the encoder's usable length when it is None (the value in the cache key)."""
+        return self.max_length or encoder.max_length
+
+    def map_key(self) -> dict:
+        """The map kind's part of a cache key: ``{}`` for attention (the key it had before map kinds existed),
+        else ``{"maps": {"kind": kind, **its measure node}}``."""
+        if self.maps == "attention":
+            return {}
+        if self.maps not in self.measures:
+            raise KeyError(f"extract.maps={self.maps!r} is not one of extract.measures: {', '.join(self.measures)}")
+        return {"maps": dict(kind=self.maps, **self.measures[self.maps])}
+
+    def measure(self) -> Measure:
+        """The :class:`~probes.measures.Measure` of ``maps``."""
+        return build(self.maps, self.measures)
+
+    def batching(self) -> dict:
+        """``max_tokens``, ``max_batch_size``, ``max_pairs``, ``num_workers`` (not part of any cache key)."""
+        return dict(max_tokens=self.max_tokens, max_batch_size=self.max_batch_size, max_pairs=self.max_pairs,
+                    num_workers=self.num_workers)
