@@ -14,6 +14,7 @@ from conftest import TINY_CONLLU, compose_train
 from probes.data.sources import Treebank
 from probes.extract.representations import (RepresentationCache, build_hidden_cache, cached_hidden_path,
                                             ensure_hidden_caches)
+from probes.extract.settings import ExtractSettings
 from probes.model.hidden import hidden_states
 from probes.model.tiny import tiny_encoder
 
@@ -99,3 +100,32 @@ def test_hidden_states_layer_range(models):
     assert list(out) == [0, 2] and out[2].shape == (1, 2, enc.config.hidden_size)
     with pytest.raises(ValueError, match=r"\[3\] out of range 0\.\.2"):
         hidden_states(enc.model, [3], input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def test_child_process_builds_the_entries_built_here(tmp_path, treebank):
+    """The runner's child process (encoder given as its config) writes the entries an in-process build writes,
+    byte for byte, under the same names; a second call finds them without a child."""
+    cfg = compose_train(["encoder=tiny"])
+    hidden = dict(layers=[0, 2], pooling="first")
+    child = ensure_hidden_caches(cfg.encoder, treebank, ["dev", "test"], EXTRACT, hidden, str(tmp_path / "a"),
+                                 {"test": 1}, child=True)
+    here = ensure_hidden_caches(cfg.encoder, treebank, ["dev", "test"], EXTRACT, hidden, str(tmp_path / "b"),
+                                {"test": 1}, child=False)
+    assert len(child["dev"]) == len(treebank.read("dev")) and len(child["test"]) == 1
+    for split in ("dev", "test"):
+        a, b = child[split].path, here[split].path
+        assert a.name == b.name
+        for f in sorted(p.name for p in a.iterdir()):
+            assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    stamp = (child["dev"].path / "manifest.json").stat().st_mtime_ns
+    again = ensure_hidden_caches(cfg.encoder, treebank, ["dev"], EXTRACT, hidden, str(tmp_path / "a"), child=True)
+    assert (again["dev"].path / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_extract_settings_name_missing_and_unknown_keys():
+    with pytest.raises(ValueError, match=r"missing keys \['maps', 'measures'\], unknown keys \['pooling'\]"):
+        ExtractSettings.from_config(dict({k: v for k, v in EXTRACT.items() if k not in ("maps", "measures")},
+                                         pooling="mean"))
+    s = ExtractSettings.from_config(EXTRACT)
+    assert ExtractSettings.from_config(s) is s and s.replace(maps="rollout").map_key()["maps"]["kind"] == "rollout"
+    assert s.map_key() == {}  # attention: the key as before map kinds existed

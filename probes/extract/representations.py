@@ -33,7 +33,7 @@ from probes.extract import runner
 from probes.extract.runner import TreebankSplit
 from probes.extract.settings import ExtractSettings
 from probes.extract.stage import CacheWriter, SentenceBatches, _extraction_peer, encode_all, select
-from probes.model.hidden import check_layers, hidden_states
+from probes.model.hidden import check_layers, hidden_states, layer_list
 from probes.model.inputs import Encoded, length_batches
 from probes.model.load import Encoder
 
@@ -208,8 +208,8 @@ class HiddenStates:
         return cls(None if layers is None else tuple(int(l) for l in layers), str(hidden_cfg["pooling"]))
 
     def stored_layers(self, encoder: Encoder) -> list[int]:
-        """The layers an entry stores, sorted and distinct (None: 0..L)."""
-        return list(range(encoder.num_layers + 1)) if self.layers is None else sorted(set(self.layers))
+        """The layers an entry stores, sorted and distinct (None: 0..L); an error for one out of 0..L."""
+        return layer_list(encoder.num_layers, self.layers, encoder.name)
 
     def key_fields(self, encoder: Encoder, settings: ExtractSettings) -> dict:
         """The cache's layout version, the stored layers and the pooling."""

@@ -14,15 +14,21 @@ from torch import nn
 from probes.model.hooks import model_inputs
 
 
-def check_layers(model: nn.Module, layers: Iterable[int] | None) -> list[int]:
-    """Sorted distinct layers (None: all, 0..L); a clear error for one out of 0..L."""
-    L = int(model.config.num_hidden_layers)
+def layer_list(num_layers: int, layers: Iterable[int] | None, model_name: str = "the model") -> list[int]:
+    """Sorted distinct layers of a model with ``num_layers`` blocks (None: all, 0..L); a clear error for one
+    out of 0..L. Needs no weights (the hidden-state cache key is computed from it)."""
+    L = int(num_layers)
     out = sorted({int(l) for l in (range(L + 1) if layers is None else layers)})
     bad = [l for l in out if not 0 <= l <= L]
     if bad or not out:
         raise ValueError(f"hidden-state layers {bad or '[]'} out of range 0..{L} (0 = embedding output, "
-                         f"{L} = last layer of {type(model).__name__})")
+                         f"{L} = last layer of {model_name})")
     return out
+
+
+def check_layers(model: nn.Module, layers: Iterable[int] | None) -> list[int]:
+    """Sorted distinct layers (None: all, 0..L, L from the model config); a clear error for one out of 0..L."""
+    return layer_list(model.config.num_hidden_layers, layers, type(model).__name__)
 
 
 def hidden_states(model: nn.Module, layers: Iterable[int] | None = None, **inputs) -> dict[int, torch.Tensor]:
