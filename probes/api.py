@@ -56,7 +56,7 @@ PROGRESS_MIN_SENTENCES = 32
 
 
 # ----------------------------------------------------------------------------- encoders
-def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "base", **kwargs) -> Encoder:
+def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "base", **kwargs: Any) -> Encoder:
     """A frozen encoder in eval mode on the project's attention path (weights load on first use).
 
     Args:

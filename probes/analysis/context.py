@@ -36,9 +36,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from probes.config import CONF_DIR, compose
+from probes.data.sources import Treebank
 from probes.extract.run import ensure_cache
 from probes.io import atomic_write
 from probes.measures import build, from_config
+from probes.model.load import Encoder
 from probes.report.provenance import write_provenance
 from probes.report.tracking import init_run
 
@@ -72,7 +74,8 @@ class AnalysisContext:
     """
 
     def __init__(self, cfg: DictConfig, output_dir: str | os.PathLike, use_wandb: bool | None = None,
-                 name: str | None = None, *, encoder=None, treebank=None, figures: bool = True):
+                 name: str | None = None, *, encoder: Encoder | None = None, treebank: Treebank | None = None,
+                 figures: bool = True):
         self.cfg = cfg
         self._name = name
         self.output_dir = Path(output_dir)
@@ -93,7 +96,8 @@ class AnalysisContext:
         write_provenance(self.output_dir)  # commit, machine, command (read by `python -m probes.report`)
 
     @classmethod
-    def create(cls, name: str, output_dir: str | os.PathLike, *, encoder=None, treebank=None,
+    def create(cls, name: str, output_dir: str | os.PathLike, *, encoder: Encoder | None = None,
+               treebank: Treebank | None = None,
                overrides: Sequence[str] = (), params: Mapping[str, Any] | None = None, use_wandb: bool = False,
                figures: bool = True) -> "AnalysisContext":
         """A context for ``conf/analysis/<name>.yaml`` without a Hydra app (the Python API's path).
@@ -328,7 +332,7 @@ def analysis_config(name: str, overrides: Sequence[str] = (), params: Mapping[st
 
 
 def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike, *, context: AnalysisContext | None = None,
-                 **context_args) -> AnalysisResult:
+                 **context_args: Any) -> AnalysisResult:
     """Instantiate ``cfg.analysis`` (a partial function) and call it with one context; the one path of the
     command line and the Python API.
 
