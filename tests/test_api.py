@@ -22,7 +22,7 @@ from probes.config import compose
 from probes.data.conllu import ConlluError, Sentence
 from probes.model.load import packaged_minilm_path
 from probes.model.tiny import FAMILIES, tiny_folder
-from tests.conftest import TINY_CONLLU
+from tests.conftest import TINY_CONLLU, write_chain_treebank
 
 REPO = Path(__file__).resolve().parents[1]
 SENTS = [["The", "dog", "barked", "."], ["John", "'s", "unbelievably-comfortable", "cat", "sat", "on", "it", "!"],
@@ -233,6 +233,24 @@ def test_own_treebank_python_and_hydra(tmp_path, monkeypatch):
     cfg = compose("analyze", ["data=conllu", f"data.treebank.files.dev={tmp_path / 'gone.conllu'}"])
     with pytest.raises(FileNotFoundError, match=r"gone\.conllu.*data\.treebank\.files\.dev"):
         instantiate(cfg.data.treebank).read("dev")
+
+
+@pytest.mark.slow
+def test_train_on_own_conllu_files(tmp_path):
+    """`python train.py data=conllu data.treebank.files.<split>=...`: the documented command trains a probe on
+    files outside the data folder (no download, no pinned digest)."""
+    for split, n, seed in (("train", 60, 0), ("dev", 20, 1), ("test", 20, 2)):
+        write_chain_treebank(tmp_path / f"{split}.conllu", n, seed)
+    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", WANDB_SILENT="true")
+    r = subprocess.run([sys.executable, "train.py", "experiment=smoke", "encoder=tiny", "data=conllu", "logger=none",
+                        *[f"data.treebank.files.{s}={tmp_path / f'{s}.conllu'}" for s in ("train", "dev", "test")],
+                        f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}",
+                        "extract.precision=32-true", "extract.trainer.accelerator=cpu", "trainer.accelerator=cpu"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "test/uas" in r.stdout + r.stderr
+    entries = sorted(p.name for p in (tmp_path / "cache" / "attention").iterdir())
+    assert len(entries) == 3 and all("-conllu-" in e for e in entries), entries
 
 
 # ----------------------------------------------------------------------------- analyses
