@@ -1,26 +1,41 @@
 """`python -m probes.analyze analysis=<name> [encoder=...] [data=...] [analysis.max_sentences=N]`.
 
-Attention analyses of Clark et al. 2019 (see `probes.analysis`); outputs go to the Hydra run dir
-`logs/analyze/<name>/<timestamp>/`.
+The attention analyses (see :mod:`probes.analysis`); outputs go to the Hydra run dir
+``logs/analyze/<name>/<timestamp>/``. A thin layer over :func:`probes.analysis.context.run_analysis`,
+the function :func:`probes.analyze` (the Python API) calls too. One's own CoNLL-U file:
+``data=conllu data.treebank.files.dev=/abs/path/dev.conllu``.
 """
 
 import os
+import sys
+import types
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+
+from probes import api
+from probes.analysis.context import run_analysis
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="analyze")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
+    """Run ``cfg.analysis`` into the Hydra run dir (wandb as ``logger.use_wandb`` says)."""
+    run_analysis(cfg, HydraConfig.get().runtime.output_dir, name=HydraConfig.get().runtime.choices.analysis)
 
-    from probes.analysis.context import run_analysis
 
-    run_analysis(cfg, HydraConfig.get().runtime.output_dir)
+class _CallableModule(types.ModuleType):
+    """``import probes.analyze`` binds this module to the name ``probes.analyze``, which is also the API function
+    :func:`probes.api.analyze`; calling the module calls the function, so both spellings keep working."""
 
+    def __call__(self, *args, **kwargs):
+        return api.analyze(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     main()

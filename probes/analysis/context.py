@@ -2,7 +2,10 @@
 
 An analysis is a plain function ``fn(ctx, *, split, max_sentences, **params)``; its Hydra node
 (``conf/analysis/<name>.yaml``) names it with ``_target_`` and ``_partial_: true``, and
-:func:`run_analysis` instantiates that node and calls it with one :class:`AnalysisContext`.
+:func:`run_analysis` instantiates that node and calls it with one :class:`AnalysisContext`. Both the
+command line (``python -m probes.analyze``) and the Python API (:func:`probes.analyze`) go through
+:func:`run_analysis`; from Python, :meth:`AnalysisContext.create` builds a context without a Hydra app
+and takes ready objects (an encoder, a treebank) in place of the config's nodes.
 
 Outputs: :meth:`AnalysisContext.save_table` writes a tidy CSV (and a wandb Table: every analysis's
 tables land in the dashboard from here, none of them calls wandb itself),
@@ -18,14 +21,28 @@ import logging
 import os
 import random
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+import pandas as pd
+import torch
+import wandb
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from probes.config import CONF_DIR, compose
+from probes.data.sources import Treebank
+from probes.extract.run import ensure_cache
 from probes.io import atomic_write
+from probes.measures import build, from_config
+from probes.model.load import Encoder
+from probes.report.provenance import write_provenance
+from probes.report.tracking import init_run
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +58,68 @@ def _to_plain(cfg: DictConfig) -> dict:
 
 
 class AnalysisContext:
-    """Config + output folder + lazy encoder/treebank/cache + writers (CSV/PNG/JSON, wandb)."""
+    """Config + output folder + lazy encoder/treebank/cache + writers (CSV/PNG/JSON, wandb).
+
+    Args:
+        cfg: The composed ``analyze`` config (``conf/analyze.yaml``).
+        output_dir: Folder for the tables, figures and ``summary.json`` (created).
+        use_wandb: Log to wandb; None: as ``cfg.logger.use_wandb`` says.
+        name: The analysis name (its config name); None: ``cfg.analysis_name``.
+        encoder: A ready :class:`~probes.model.load.Encoder` in place of ``cfg.encoder``.
+        treebank: A ready :class:`~probes.data.sources.Treebank` in place of ``cfg.data.treebank``.
+        figures: False: figures are not written (each analysis still builds and closes them).
+
+    Every table, figure and summary value saved stays in memory too (``tables``, ``figures``,
+    ``summary``), for :class:`AnalysisResult`.
+    """
 
     def __init__(self, cfg: DictConfig, output_dir: str | os.PathLike, use_wandb: bool | None = None,
-                 name: str | None = None):
+                 name: str | None = None, *, encoder: Encoder | None = None, treebank: Treebank | None = None,
+                 figures: bool = True):
         self.cfg = cfg
         self._name = name
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         logger_cfg = cfg.get("logger") or {}
         self.use_wandb = bool(logger_cfg.get("use_wandb", False)) if use_wandb is None else use_wandb
+        self.write_figures = bool(figures)
+        if encoder is not None:  # ready objects take the place of the cached properties below
+            self.__dict__["encoder"] = encoder
+        if treebank is not None:
+            self.__dict__["treebank"] = treebank
         self._wandb_run = None
         self._summary: dict[str, Any] = {}
         self.files: list[Path] = []
+        self.tables: dict[str, pd.DataFrame] = {}
+        self.figures: dict[str, Path] = {}
         self.t0 = time.time()
-        from probes.report.provenance import write_provenance
-
         write_provenance(self.output_dir)  # commit, machine, command (read by `python -m probes.report`)
+
+    @classmethod
+    def create(cls, name: str, output_dir: str | os.PathLike, *, encoder: Encoder | None = None,
+               treebank: Treebank | None = None,
+               overrides: Sequence[str] = (), params: Mapping[str, Any] | None = None, use_wandb: bool = False,
+               figures: bool = True) -> "AnalysisContext":
+        """A context for ``conf/analysis/<name>.yaml`` without a Hydra app (the Python API's path).
+
+        Args:
+            name: The analysis config name (``head_stats``, ``dep_heads``, ...).
+            output_dir: Folder for the outputs (created).
+            encoder: A ready encoder in place of the config's ``encoder`` node (None: the config's).
+            treebank: A ready treebank in place of ``data.treebank`` (None: the config's).
+            overrides: Command-line style overrides of ``conf/analyze.yaml`` (``["extract.maps=rollout"]``).
+            params: Values for the analysis node (``{"max_sentences": 20}`` sets ``analysis.max_sentences``);
+                an unknown key is an error naming the node's keys.
+            use_wandb: Log to wandb (off by default from Python).
+            figures: Write the figures.
+
+        Returns:
+            The context; run the analysis with :func:`run_analysis` (``run_analysis(ctx.cfg, ctx.output_dir,
+            context=ctx)``) or call ``hydra.utils.instantiate(ctx.cfg.analysis)(ctx)``.
+        """
+        cfg = analysis_config(name, overrides, params)
+        return cls(cfg, output_dir, use_wandb=use_wandb, name=name, encoder=encoder, treebank=treebank,
+                   figures=figures)
 
     def seconds(self) -> float:
         """Wall time since the analysis started, rounded to 0.1 s."""
@@ -66,18 +128,14 @@ class AnalysisContext:
     # ----------------------------------------------------------------- lazy inputs
     @cached_property
     def encoder(self):
-        """The frozen encoder of ``cfg.encoder`` (built on first access)."""
-        from hydra.utils import instantiate
-
+        """The frozen encoder of ``cfg.encoder`` (built on first access), or the one given to the constructor."""
         enc = instantiate(self.cfg.encoder)
         log.info("encoder %s: %d layers x %d heads", enc.name, enc.num_layers, enc.num_heads)
         return enc
 
     @cached_property
     def treebank(self):
-        """The treebank of ``cfg.data.treebank``."""
-        from hydra.utils import instantiate
-
+        """The treebank of ``cfg.data.treebank``, or the one given to the constructor."""
         return instantiate(self.cfg.data.treebank)
 
     def sentences(self, split: str, max_sentences: int | None = None):
@@ -86,15 +144,12 @@ class AnalysisContext:
 
     def cache(self, split: str, max_sentences: int | None = None):
         """``(AttentionCache, sentences)`` of the word-level maps of ``split``, extracted if missing."""
-        from probes.extract.run import ensure_cache
-
         return ensure_cache(self.encoder, self.treebank, split, self.cfg.extract, self.cfg.paths.cache_dir,
                             max_sentences)
 
     @property
     def device(self) -> str:
-        import torch
-
+        """``analysis_device``: ``auto`` is cuda when available, else cpu."""
         want = (self.cfg.get("analysis_device") or "auto")
         if want == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,8 +166,6 @@ class AnalysisContext:
         if not self.use_wandb:
             return None
         if self._wandb_run is None:
-            from probes.report.tracking import init_run
-
             lc = self.cfg.logger
             self._wandb_run = init_run(
                 _to_plain(self.cfg), project=lc.get("project", "probes"), mode=lc.get("mode", "offline"),
@@ -158,42 +211,41 @@ class AnalysisContext:
     def measure(self, kind: str | None = None):
         """``(kind, Measure)``: the map kind ``kind`` (default: ``extract.maps``, attention when unset) built
         from ``extract.measures``."""
-        from probes.measures import build, from_config
-
         if kind is None:
             return from_config(self.extract_cfg)
         return kind, build(kind, self.extract_cfg.get("measures"))
 
     def finish(self) -> None:
+        """Close the wandb run, if one was started."""
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
 
     # ----------------------------------------------------------------- outputs
     def save_table(self, df, name: str) -> Path:
-        """Write ``df`` to ``<output_dir>/<name>.csv`` (atomic) and log it as a wandb Table."""
+        """Write ``df`` to ``<output_dir>/<name>.csv`` (atomic), keep it in ``tables`` and log it as a wandb Table."""
         path = self.output_dir / f"{name}.csv"
         atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
         self.files.append(path)
+        self.tables[name] = df.reset_index(drop=True)
         log.info("wrote %s (%d rows)", path, len(df))
         run = self.wandb_run
         if run is not None and len(df) <= WANDB_TABLE_MAX_ROWS:
-            import wandb
-
             run.log({f"{name}": wandb.Table(dataframe=df.reset_index(drop=True))})
         return path
 
-    def save_figure(self, fig, name: str, dpi: int = 120) -> Path:
-        """Write ``fig`` to ``<output_dir>/<name>.png`` (atomic), log it as a wandb Image, close it."""
-        import matplotlib.pyplot as plt
-
+    def save_figure(self, fig, name: str, dpi: int = 120) -> Path | None:
+        """Write ``fig`` to ``<output_dir>/<name>.png`` (atomic), keep its path in ``figures``, log it as a wandb
+        Image, close it; with ``figures=False`` only close it (None is returned)."""
+        if not self.write_figures:
+            plt.close(fig)
+            return None
         path = self.output_dir / f"{name}.png"
         atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
         self.files.append(path)
+        self.figures[name] = path
         run = self.wandb_run
         if run is not None:
-            import wandb
-
             run.log({f"fig/{name}": wandb.Image(str(path))})
         plt.close(fig)
         log.info("wrote %s", path)
@@ -227,23 +279,79 @@ def _jsonable(v):
 
 
 def seed_everything(seed: int) -> None:
-    import torch
-
+    """Seed Python's, numpy's and torch's generators."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike) -> Any:
-    """Instantiate ``cfg.analysis`` (a partial function) and call it with a fresh context."""
-    from hydra.utils import instantiate
+@dataclass
+class AnalysisResult:
+    """What one analysis run produced.
 
+    Attributes:
+        name: The analysis (config) name.
+        output_dir: The folder holding the files.
+        tables: Table name -> the tidy DataFrame written as ``<output_dir>/<name>.csv``.
+        figures: Figure name -> its PNG (empty with ``figures=False``).
+        summary: The contents of ``summary.json``.
+        value: What the analysis function returned (most return their main table).
+    """
+
+    name: str
+    output_dir: Path
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    figures: dict[str, Path] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    value: Any = None
+
+    def __repr__(self) -> str:
+        return (f"AnalysisResult({self.name!r}, output_dir={str(self.output_dir)!r}, tables={list(self.tables)}, "
+                f"figures={list(self.figures)})")
+
+
+def analysis_config(name: str, overrides: Sequence[str] = (), params: Mapping[str, Any] | None = None) -> DictConfig:
+    """``conf/analyze.yaml`` composed with ``analysis=<name>`` and ``overrides``, ``params`` set on the
+    ``analysis`` node (an unknown key is an error naming the known ones) and ``analysis_name`` = ``name``."""
+    try:
+        cfg = compose("analyze", [f"analysis={name}", *overrides])
+    except Exception as e:  # hydra's MissingConfigException / override errors
+        known = sorted(p.stem for p in (CONF_DIR / "analysis").glob("*.yaml"))
+        raise ValueError(f"cannot compose analysis {name!r} with overrides {list(overrides)}: {e} "
+                         f"(analyses: {', '.join(known)})") from None
+    node = cfg.analysis
+    for key, value in (params or {}).items():
+        if key not in node:
+            params_known = sorted(k for k in node if not str(k).startswith("_"))
+            raise KeyError(f"analysis {name!r} has no parameter {key!r} (conf/analysis/{name}.yaml: "
+                           f"{', '.join(params_known)})")
+        node[key] = value
+    with open_dict(cfg):
+        cfg.analysis_name = name
+    return cfg
+
+
+def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike, *, context: AnalysisContext | None = None,
+                 **context_args: Any) -> AnalysisResult:
+    """Instantiate ``cfg.analysis`` (a partial function) and call it with one context; the one path of the
+    command line and the Python API.
+
+    Args:
+        cfg: The composed ``analyze`` config.
+        output_dir: Folder for the outputs.
+        context: A context already built (e.g. by :meth:`AnalysisContext.create`); None: a new one.
+        **context_args: :class:`AnalysisContext` keyword arguments for the new one (``use_wandb``, ``name``,
+            ``encoder``, ``treebank``, ``figures``).
+
+    Returns:
+        The tables, figures and summary the analysis saved, and its return value.
+    """
     seed_everything(int(cfg.get("seed", 0)))
-    ctx = AnalysisContext(cfg, output_dir)
+    ctx = context if context is not None else AnalysisContext(cfg, output_dir, **context_args)
     fn = instantiate(cfg.analysis)
     try:
-        result = fn(ctx)
+        value = fn(ctx)
         ctx.log_summary({"seconds": ctx.seconds(), "seed": int(cfg.get("seed", 0))})
-        return result
+        return AnalysisResult(ctx.name, ctx.output_dir, dict(ctx.tables), dict(ctx.figures), dict(ctx._summary), value)
     finally:
         ctx.finish()

@@ -1,4 +1,4 @@
-"""CoNLL-U reading (validated) and writing with predicted heads."""
+"""CoNLL-U reading (validated) and writing with predicted heads; plain text (one sentence per line) reading."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from probes.io import atomic_write_text
 
-__all__ = ["ConlluError", "Sentence", "read_conllu", "write_conllu_with_heads"]
+__all__ = ["ConlluError", "Sentence", "read_conllu", "read_text", "sentence_from_words", "write_conllu_with_heads"]
 
 N_COLS = 10
 
@@ -63,7 +63,18 @@ class _Block:
 
 
 def read_conllu(path: str | os.PathLike) -> list[Sentence]:
-    """Read and validate a CoNLL-U file into sentences."""
+    """Read and validate a CoNLL-U file into sentences.
+
+    Args:
+        path: The ``.conllu`` file.
+
+    Returns:
+        One :class:`Sentence` per block, in file order (multiword-token lines and empty nodes left out).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ConlluError: A malformed line; the message starts with ``path:line:``.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"CoNLL-U file not found: {path}")
@@ -191,3 +202,46 @@ def write_conllu_with_heads(
         chunks.append("\n")
     atomic_write_text(path, "".join(chunks))
     return path
+
+
+def sentence_from_words(words: Sequence[str], sent_id: str | None = None) -> Sentence:
+    """A :class:`Sentence` of plain words without annotation (UPOS/XPOS/DEPREL ``_``, every HEAD 0), whose
+    ``lines`` are its CoNLL-U block (so :func:`write_conllu_with_heads` can write it).
+
+    Args:
+        words: The words (non-empty, no tab or newline inside a word).
+        sent_id: Its ``# sent_id`` comment (none when None).
+
+    Returns:
+        The sentence (``line_no`` 0: it comes from no file).
+    """
+    words = tuple(str(w) for w in words)
+    if not words:
+        raise ValueError(f"sentence {sent_id!r} has no words")
+    bad = [w for w in words if not w or any(c in w for c in "\t\n\r")]
+    if bad:
+        raise ValueError(f"sentence {sent_id!r}: word {bad[0]!r} is empty or holds a tab or newline")
+    n = len(words)
+    lines = ([f"# sent_id = {sent_id}"] if sent_id is not None else []) + [f"# text = {' '.join(words)}"]
+    lines += [f"{i}\t{w}\t_\t_\t_\t_\t0\t_\t_\t_" for i, w in enumerate(words, start=1)]
+    return Sentence(sent_id=sent_id, text=" ".join(words), words=words, upos=("_",) * n, xpos=("_",) * n,
+                    heads=(0,) * n, deprels=("_",) * n, misc=("_",) * n, lines=tuple(lines), doc_id=None, line_no=0)
+
+
+def read_text(path: str | os.PathLike) -> list[list[str]]:
+    """Read a plain-text file with one sentence per line, split on whitespace; blank lines are skipped.
+
+    Args:
+        path: The text file (UTF-8).
+
+    Returns:
+        The sentences as lists of words, in file order.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file not found: {path}")
+    with open(path, encoding="utf-8-sig") as f:
+        return [line.split() for line in f if line.strip()]

@@ -99,14 +99,28 @@ def ensure_file(
 
 
 class Treebank:
-    """A CoNLL-U treebank with named splits under ``data_dir/subdir`` (Hydra-instantiable)."""
+    """A CoNLL-U treebank with named splits under ``data_dir/subdir`` (Hydra-instantiable).
+
+    A file given as an absolute path is used as it is (one's own files: :meth:`from_files`,
+    ``conf/treebank/conllu.yaml``). A split whose file is None is declared but not given: reading it is an
+    error naming the setting.
+
+    Args:
+        name: Dataset name (part of cache keys).
+        data_dir: Root of the data files.
+        subdir: Folder of this treebank under ``data_dir``.
+        files: Split -> file name under ``data_dir/subdir`` (or an absolute path; None: not given).
+        urls: Split -> download URL (missing files are fetched from it).
+        sha256: Split -> pinned sha256 of the downloaded file.
+        download: Download missing files that have a URL.
+    """
 
     def __init__(
         self,
         name: str,
         data_dir: str | os.PathLike,
         subdir: str,
-        files: Mapping[str, str],
+        files: Mapping[str, str | None],
         urls: Mapping[str, str] | None = None,
         sha256: Mapping[str, str] | None = None,
         download: bool = True,
@@ -114,20 +128,51 @@ class Treebank:
         self.name = name
         self.data_dir = Path(data_dir).expanduser()
         self.subdir = subdir
-        self.files = {str(k): str(v) for k, v in files.items()}
+        self.unset = [str(k) for k, v in files.items() if v is None]  # declared splits without a file
+        self.files = {str(k): str(v) for k, v in files.items() if v is not None}
         self.urls = {str(k): str(v) for k, v in (urls or {}).items()}
         self.sha256 = {str(k): str(v) for k, v in (sha256 or {}).items()}
         self.download = bool(download)
         self._digests: dict[str, str] = {}
+
+    @classmethod
+    def from_files(cls, name: str = "conllu", **files: str | os.PathLike | None) -> "Treebank":
+        """A treebank of one's own CoNLL-U files, one keyword per split (no download, no pinned digest).
+
+        Args:
+            name: Dataset name (part of cache keys; the files' sha256 is part of them too).
+            **files: Split -> path, e.g. ``train="a.conllu", dev="b.conllu"``; None entries are left out.
+
+        Returns:
+            The treebank (paths made absolute; each file must exist).
+
+        Raises:
+            FileNotFoundError: A file does not exist (the message names the split and the path).
+            ValueError: No file given.
+        """
+        paths = {k: Path(v).expanduser().resolve() for k, v in files.items() if v is not None}
+        if not paths:
+            raise ValueError("no CoNLL-U file given: pass one path per split, e.g. dev='my.conllu'")
+        for split, p in paths.items():
+            if not p.is_file():
+                raise FileNotFoundError(f"treebank {name!r}: {split} file not found: {p}")
+        return cls(name, Path(paths[next(iter(paths))].anchor), "", {k: str(v) for k, v in paths.items()},
+                   download=False)
 
     def __repr__(self) -> str:
         return f"Treebank({self.name!r}, {str(self.data_dir / self.subdir)!r}, splits={list(self.files)})"
 
     @property
     def splits(self) -> list[str]:
+        """The splits that have a file."""
         return list(self.files)
 
     def _check(self, split: str) -> None:
+        if split in self.unset:
+            raise FileNotFoundError(
+                f"treebank {self.name!r}: no file given for split {split!r}; set files.{split} "
+                f"(command line: data.treebank.files.{split}=/abs/path/{split}.conllu; Python: "
+                f"probes.treebank({split}=...))")
         if split not in self.files:
             raise KeyError(f"{self.name}: unknown split {split!r}; known splits: {sorted(self.files)}")
 
@@ -139,10 +184,18 @@ class Treebank:
     def ensure(self, split: str) -> Path:
         """Local path of ``split``, downloading it if missing and allowed."""
         self._check(split)
-        return ensure_file(self.path(split), self.urls.get(split), self.sha256.get(split), self.download,
+        path = self.path(split)
+        if not self.urls.get(split) and not path.is_file():
+            where = "" if Path(self.files[split]).is_absolute() else f" under {self.data_dir / self.subdir}"
+            raise FileNotFoundError(
+                f"treebank {self.name!r}: {split} file not found: {path} (files.{split}={self.files[split]!r}{where}, "
+                f"no download URL; command line: data.treebank.files.{split}=/abs/path/{split}.conllu, or "
+                f"PROBES_DATA_DIR for a configured treebank)")
+        return ensure_file(path, self.urls.get(split), self.sha256.get(split), self.download,
                            rel=f"{self.subdir}/{self.files[split]}", dataset=self.name)
 
     def read(self, split: str) -> list[Sentence]:
+        """The sentences of ``split`` (the file downloaded first if missing and allowed)."""
         return read_conllu(self.ensure(split))
 
     def fetch(self) -> dict[str, Path]:

