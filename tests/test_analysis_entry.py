@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from probes.analysis.context import AnalysisContext
-from tests.conftest import TINY_CONLLU, shared_data_dir
+from tests.conftest import TINY_CONLLU, require_shared, shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -90,10 +90,9 @@ def test_dep_heads_min_count_lists_relations(tiny_cfg, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED_DATA / "ud_english_ewt" / "en_ewt-ud-dev.conllu").is_file(),
-                    reason="shared EWT data not available")
 @pytest.mark.parametrize("analysis", ANALYSES)
 def test_cli_end_to_end(tmp_path, analysis):
+    require_shared("ud_english_ewt/en_ewt-ud-dev.conllu", "shared EWT data")
     env = dict(os.environ, PROBES_DATA_DIR=str(SHARED_DATA), PROBES_CACHE_DIR=str(tmp_path / "cache"),
                WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "probes.analyze", f"analysis={analysis}", "encoder=tiny",

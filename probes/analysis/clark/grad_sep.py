@@ -20,8 +20,8 @@ sequence's own loss*, so a sequence's gradients do not depend on what it is batc
 * :class:`MLMObjective` (Clark's choice): the first ``max_sentences`` sentences of the treebank
   ``split``, each ``[CLS] s [SEP]``; 15% of the non-special wordpieces of each sentence (at least
   one) are replaced by the mask token using a seeded ``torch.Generator``; the loss is the mean
-  cross-entropy over the masked positions. The model is ``cfg.encoder`` loaded with its MLM head
-  (``instantiate(cfg.encoder, head="mlm")``). A checkpoint without one (the packaged all-MiniLM-L6-v2
+  cross-entropy over the masked positions. The model is the encoder loaded with its MLM head
+  (``instantiate(encoder, head="mlm")`` of the objective's ``encoder`` node, ``${encoder}`` in the config). A checkpoint without one (the packaged all-MiniLM-L6-v2
   is a sentence-embedding model) raises :class:`probes.model.load.MissingHeadError` naming the
   alternatives; objectives are never swapped silently. Random-weight encoders (``random_init: true``,
   ``bert_base_random``, ``tiny``) get a random MLM head like the rest of their weights.
@@ -42,16 +42,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from hydra.utils import instantiate
 from tqdm import tqdm
 
+from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.clark.metrics import is_period_comma, piece_strings
+from probes.data.glue import read_glue
 from probes.model import hooks
 from probes.model.families import is_byte_level, usable_max_length
 from probes.model.inputs import Encoded, encode_texts, encode_words, length_batches, pad
 from probes.model.load import MissingHeadError
+from probes.model.load import load_finetuned
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +83,8 @@ class Batch:
 
 # ----------------------------------------------------------------------------- objectives
 def load_masked_lm(encoder_cfg) -> Model:
-    """``cfg.encoder`` with its masked-LM head (random for random-weight encoders); a checkpoint
-    without one raises :class:`MissingHeadError`."""
-    from hydra.utils import instantiate
-
+    """The encoder of the config node ``encoder_cfg`` (``conf/encoder/*.yaml``) with its masked-LM head
+    (random for random-weight encoders); a checkpoint without one raises :class:`MissingHeadError`."""
     enc = instantiate(encoder_cfg, head="mlm")
     try:
         model = enc.model  # weights load here
@@ -95,13 +98,19 @@ class MLMObjective:
 
     name = "mlm"
 
-    def __init__(self, mask_prob: float = 0.15, seed: int = 0):
+    def __init__(self, mask_prob: float = 0.15, seed: int = 0, encoder=None):
+        """``encoder``: the encoder's config node (``${encoder}`` in ``conf/analysis/grad_sep.yaml``), loaded
+        with its masked-LM head by :meth:`load`."""
         if not 0 < mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob}")
-        self.mask_prob, self.seed = float(mask_prob), int(seed)
+        self.mask_prob, self.seed, self.encoder = float(mask_prob), int(seed), encoder
 
     def load(self, ctx) -> Model:
-        return load_masked_lm(ctx.cfg.encoder)
+        """The encoder with its masked-LM head (:func:`load_masked_lm`)."""
+        if self.encoder is None:
+            raise ValueError("grad_sep/mlm: analysis.objectives.mlm.encoder is not set (conf/analysis/grad_sep.yaml "
+                             "sets it to ${encoder}, the encoder's config node)")
+        return load_masked_lm(self.encoder)
 
     def sequences(self, ctx, tokenizer, split: str, max_sentences: int | None, max_length: int) -> list[dict]:
         """The first ``max_sentences`` sentences of ``split`` that fit ``max_length`` pieces (empty ones skipped)."""
@@ -164,8 +173,7 @@ class ClassificationObjective:
         self.checkpoint, self.task, self.data_dir, self.examples = checkpoint, task, data_dir, examples
 
     def load(self, ctx) -> Model:
-        from probes.model.load import load_finetuned
-
+        """The fine-tuned classifier of ``checkpoint`` (``ctx.encoder`` rebuilds a ``.ckpt``)."""
         if not self.checkpoint:
             raise ValueError("grad_sep/classification needs analysis.objectives.classification.checkpoint: a "
                              "fine-tuned GLUE run folder, its hf_model folder or a Lightning .ckpt")
@@ -180,12 +188,10 @@ class ClassificationObjective:
     def sequences(self, ctx, tokenizer, split: str, max_sentences: int | None, max_length: int) -> list[dict]:
         """The first ``max_sentences`` examples of the GLUE ``split`` (truncated to ``max_length``)."""
         if self.examples is None:
-            from probes.data.glue import read_glue
-
             if self.task is None:
                 raise ValueError("grad_sep/classification: the checkpoint does not say which GLUE task it was "
                                  "fine-tuned on; set analysis.objectives.classification.task")
-            examples = read_glue(self.task, split, self.data_dir or ctx.cfg.paths.data_dir)
+            examples = read_glue(self.task, split, self.data_dir or ctx.data_dir)
         else:
             examples = list(self.examples)
         out = []
@@ -301,9 +307,7 @@ def compute(model, tokenizer, objective, items: list[dict], device: str = "cpu",
 
 
 def figure(df: pd.DataFrame):
-    import matplotlib.pyplot as plt  # noqa: F401
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
-
+    """Figure 3: per layer, mean |dLoss/dA| and mean dLoss/dA for each target."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, stat, ylabel in zip(axes, ("mean_abs", "mean"), ("mean |dLoss/dA|", "mean dLoss/dA (signed)")):
         for t, label in zip(TARGETS, ("[SEP]", ". or ,", "other")):
