@@ -173,3 +173,22 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
         n_punct = {0: 1, 1: 2, 2: 0}[i]  # '.' and ',' only (Clark's punctuation), not '!'
         assert sum(punct) == n_punct, (toks, punct)
     assert seen == {0, 1, 2}
+
+
+@pytest.mark.parametrize("env,outcome", [({"CI": "true"}, pytest.fail.Exception),
+                                         ({"PROBES_REQUIRE_DATA": "1"}, pytest.fail.Exception),
+                                         ({"CI": "false"}, pytest.skip.Exception)])
+def test_missing_shared_data_fails_in_ci_and_skips_locally(tmp_path, monkeypatch, env, outcome):
+    """tests/conftest.require_shared: a missing shared data folder fails a test in CI (or with
+    PROBES_REQUIRE_DATA=1), naming the path and the variable; elsewhere the test is skipped."""
+    for k in ("CI", "PROBES_REQUIRE_DATA"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PROBES_DATA_DIR", str(tmp_path))
+    with pytest.raises(outcome, match="PROBES_DATA_DIR") as e:
+        require_shared("glue", "GLUE data")
+    assert str(tmp_path / "glue") in str(e.value)
+    (tmp_path / "glue").mkdir()
+    assert require_shared("glue") == tmp_path / "glue"
+
