@@ -75,6 +75,8 @@ class Model:
 
 @dataclass
 class Batch:
+    """One padded batch of an objective."""
+
     input_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, T) 1 = real token
     labels: torch.Tensor  # (B, T) MLM (-100 = not scored) | (B,) classification
@@ -140,15 +142,18 @@ class MLMObjective:
         return out, labels
 
     def prepare(self, seqs: list[dict], tokenizer) -> list[dict]:
+        """The sequences masked (:meth:`mask`), each ``dict(ids, labels)``."""
         masked, labels = self.mask([s["ids"] for s in seqs], tokenizer)
         return [dict(ids=m, labels=l) for m, l in zip(masked, labels)]
 
     def batch(self, items: list[dict], tokenizer) -> Batch:
+        """Padded ids, mask and labels (padding -100) of ``items``."""
         x = pad([it["ids"] for it in items], tokenizer.pad_token_id)
         labels = pad([it["labels"] for it in items], -100)["input_ids"]  # (B, T), padding -100
         return Batch(x["input_ids"], x["attention_mask"], labels)
 
     def loss(self, out, batch: Batch) -> torch.Tensor:
+        """Sum over sequences of each one's mean cross-entropy over its masked positions."""
         logits = out.logits.float()  # (B, T, V)
         labels = batch.labels.to(logits.device)  # (B, T)
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
@@ -201,15 +206,18 @@ class ClassificationObjective:
         return out
 
     def prepare(self, seqs: list[dict], tokenizer) -> list[dict]:
+        """The sequences unchanged."""
         return seqs
 
     def batch(self, items: list[dict], tokenizer) -> Batch:
+        """Padded ids, mask, token types (pairs) and labels of ``items``."""
         types = [it["type_ids"] for it in items] if any(it["type_ids"] is not None for it in items) else None
         x = pad([it["ids"] for it in items], tokenizer.pad_token_id, types)
         return Batch(x["input_ids"], x["attention_mask"], torch.tensor([it["label"] for it in items]),
                      x.get("token_type_ids"))
 
     def loss(self, out, batch: Batch) -> torch.Tensor:
+        """Summed cross-entropy (squared error for one-label regression) over the batch."""
         logits = out.logits.float()  # (B, C)
         labels = batch.labels.to(logits.device)  # (B,)
         if logits.shape[-1] == 1:
@@ -283,6 +291,7 @@ class GradAccumulator:
         self.n_sequences += rows.shape[0]
 
     def table(self) -> pd.DataFrame:
+        """Tidy (layer, target, stat, value) rows: mean_abs, mean, count."""
         rows = []
         for l in range(self.L):
             for t in TARGETS:

@@ -147,12 +147,14 @@ class HeadStatsAccumulator:
         self.log_t += float(np.log(attn.shape[-1]))
 
     def result(self) -> dict[str, np.ndarray]:
+        """stat -> (L, H) mean over the added sentences."""
         if self.n == 0:
             raise ValueError("no sentences were added")
         return {k: (v / self.n).numpy() for k, v in self.sums.items()}
 
     @property
     def uniform_entropy(self) -> float:
+        """Mean over the added sentences of log T (nats)."""
         return self.log_t / max(self.n, 1)
 
 

@@ -252,6 +252,7 @@ class FeatureAccumulator:
 
     def add(self, scores: Mapping[str, tuple[np.ndarray, np.ndarray] | np.ndarray | None], index: int | None = None
             ) -> None:
+        """One example's scores: kind -> ((L, H) received, (L, H) from [CLS]) or (L, H) or None (absent)."""
         k = self.n_examples if index is None else index
         self.n_examples += 1
         for f in self.features:
@@ -269,6 +270,7 @@ class FeatureAccumulator:
 
     @property
     def count(self) -> dict[str, int]:
+        """kind -> number of examples counted in its mean."""
         return {f: len(self.scores[f]) for f in self.features}
 
     def per_example(self, f: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -284,6 +286,7 @@ class FeatureAccumulator:
         return None if pe is None else pe[0].mean(0)
 
     def cls_mean(self, f: str) -> np.ndarray | None:
+        """(L, H) mean [CLS]-row score over the examples that have kind ``f``, or None."""
         return np.mean(self.cls_scores[f], axis=0) if self.cls_scores[f] else None
 
 
@@ -310,10 +313,12 @@ class Item:
 
     @property
     def input_ids(self) -> list[int]:
+        """(T,) piece ids with the specials."""
         return self.encoded.input_ids
 
     @property
     def n(self) -> int:
+        """T, the number of pieces."""
         return self.encoded.n_pieces
 
 
@@ -340,6 +345,7 @@ def treebank_items(tokenizer, sentences) -> list[Item]:
 
 
 def load_spacy(model: str):
+    """The spaCy pipeline ``model`` (tagger and parser); clear errors when spaCy or the model is missing."""
     try:
         import spacy
     except ImportError:
