@@ -36,16 +36,37 @@ TINY_CONLLU = """\
 WORDS = "the a cat dog saw liked house runs quickly big small red and of to in".split()
 
 
+TRUE = ("1", "true", "yes", "on")
+
+
 def shared_data_dir() -> Path:
+    """The shared data folder: ``PROBES_DATA_DIR``, else ``<repo>/../shared/data``."""
     return Path(os.environ.get("PROBES_DATA_DIR") or ROOT.parent / "shared" / "data").resolve()
+
+
+def shared_data_required() -> bool:
+    """True in CI (``CI`` set to a true value, as CI runners do) or with ``PROBES_REQUIRE_DATA=1``: a test on
+    the shared data then fails when the data is missing instead of skipping."""
+    return any(os.environ.get(v, "").strip().lower() in TRUE for v in ("CI", "PROBES_REQUIRE_DATA"))
+
+
+def require_shared(rel: str = "ud_english_ewt", what: str = "shared data") -> Path:
+    """``<shared data>/<rel>`` (a file or folder); when it is missing the calling test fails in CI / with
+    ``PROBES_REQUIRE_DATA=1`` and is skipped otherwise, naming the path and ``PROBES_DATA_DIR``."""
+    p = shared_data_dir() / rel
+    if not p.exists():
+        why = (f"{what} not found at {p} (PROBES_DATA_DIR={os.environ.get('PROBES_DATA_DIR', '<unset>')}: "
+               f"set it to the shared data folder)")
+        if shared_data_required():
+            pytest.fail(f"{why}; required because CI or PROBES_REQUIRE_DATA is set", pytrace=False)
+        pytest.skip(why)
+    return p
 
 
 @pytest.fixture
 def shared_data() -> Path:
-    d = shared_data_dir()
-    if not (d / "ud_english_ewt").is_dir():
-        pytest.skip(f"shared data not found at {d}")
-    return d
+    """The shared data folder, holding at least UD EWT (:func:`require_shared`)."""
+    return require_shared("ud_english_ewt").parent
 
 
 def write_chain_treebank(path: Path, n_sentences: int, seed: int = 0) -> None:

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from probes.analysis.context import AnalysisContext
-from tests.conftest import TINY_CONLLU, shared_data_dir
+from tests.conftest import TINY_CONLLU, require_shared, shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -90,10 +90,9 @@ def test_dep_heads_min_count_lists_relations(tiny_cfg, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED_DATA / "ud_english_ewt" / "en_ewt-ud-dev.conllu").is_file(),
-                    reason="shared EWT data not available")
 @pytest.mark.parametrize("analysis", ANALYSES)
 def test_cli_end_to_end(tmp_path, analysis):
+    require_shared("ud_english_ewt/en_ewt-ud-dev.conllu", "shared EWT data")
     env = dict(os.environ, PROBES_DATA_DIR=str(SHARED_DATA), PROBES_CACHE_DIR=str(tmp_path / "cache"),
                WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "probes.analyze", f"analysis={analysis}", "encoder=tiny",
@@ -174,3 +173,22 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
         n_punct = {0: 1, 1: 2, 2: 0}[i]  # '.' and ',' only (Clark's punctuation), not '!'
         assert sum(punct) == n_punct, (toks, punct)
     assert seen == {0, 1, 2}
+
+
+@pytest.mark.parametrize("env,outcome", [({"CI": "true"}, pytest.fail.Exception),
+                                         ({"PROBES_REQUIRE_DATA": "1"}, pytest.fail.Exception),
+                                         ({"CI": "false"}, pytest.skip.Exception)])
+def test_missing_shared_data_fails_in_ci_and_skips_locally(tmp_path, monkeypatch, env, outcome):
+    """tests/conftest.require_shared: a missing shared data folder fails a test in CI (or with
+    PROBES_REQUIRE_DATA=1), naming the path and the variable; elsewhere the test is skipped."""
+    for k in ("CI", "PROBES_REQUIRE_DATA"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PROBES_DATA_DIR", str(tmp_path))
+    with pytest.raises(outcome, match="PROBES_DATA_DIR") as e:
+        require_shared("glue", "GLUE data")
+    assert str(tmp_path / "glue") in str(e.value)
+    (tmp_path / "glue").mkdir()
+    assert require_shared("glue") == tmp_path / "glue"
+

@@ -10,7 +10,7 @@ from probes.analysis.clark.clustering import classify_heads, mds_embedding
 from probes.analysis.clark.dep_heads import evaluate, tables
 from probes.analysis.clark.head_stats import pair_indices, separator_positions, sequence_attention, stats_table
 from probes.analysis.clark.metrics import (
-    DepAccumulator, HeadStatsAccumulator, evaluation_positions, is_period_comma, is_punct_piece, offset_predictions,
+    DepAccumulator, HeadStatsAccumulator, evaluation_positions, is_period_comma, offset_predictions,
     piece_strings, piece_text, predict_heads, punct_positions, sentence_head_stats, smooth, smoothed_entropy,
 )
 from probes.model.inputs import encode_word_pairs
@@ -36,17 +36,9 @@ def test_head_name_is_one_based():
     assert head_name(0, 0) == "1-1"
 
 
-def test_punct_pieces():
-    assert is_punct_piece(".") and is_punct_piece(",") and is_punct_piece("##.") and is_punct_piece("--")
-    assert is_punct_piece("“") and is_punct_piece("$")
-    assert not is_punct_piece("[CLS]") and not is_punct_piece("a.") and not is_punct_piece("##") \
-        and not is_punct_piece("")
-    # byte-level BPE (Ġ = a space before the piece) and SentencePiece (▁) word-start markers
-    assert is_punct_piece("Ġ,") and is_punct_piece("Ġ.") and is_punct_piece("▁,") and is_punct_piece("▁.")
-    assert is_punct_piece("Ġ--") and is_punct_piece("▁“")
-    assert not is_punct_piece("Ġ") and not is_punct_piece("▁") and not is_punct_piece("Ġa") \
-        and not is_punct_piece("▁the") and not is_punct_piece("<s>") and not is_punct_piece("</s>")
-    assert [piece_text(t) for t in ("##.", "Ġ,", "▁,", "x")] == [".", ",", ",", "x"]
+def test_piece_text_strips_the_tokenizer_markers():
+    """WordPiece ``##``, byte-level BPE ``Ġ`` (a space before the piece) and SentencePiece ``▁``."""
+    assert [piece_text(t) for t in ("##.", "Ġ,", "▁,", "x", "Ġ", "<s>")] == [".", ",", ",", "x", "", "<s>"]
 
 
 class _PieceTokenizer:

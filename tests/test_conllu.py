@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from probes.data.conllu import ConlluError, read_conllu, write_conllu_with_heads
-from tests.conftest import shared_data_dir
+from tests.conftest import require_shared
 
 SAMPLE = """\
 # newdoc id = doc1
@@ -122,10 +122,7 @@ def test_write_wrong_length(tmp_path):
 
 
 def _data_dir() -> Path:
-    d = shared_data_dir()
-    if not (d / "ud_english_ewt").is_dir():
-        pytest.skip(f"shared data not found at {d}")
-    return d
+    return require_shared("ud_english_ewt").parent
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from probes.analysis.context import run_analysis
 from probes.model import hooks
 from probes.model.inputs import encode_words, pad_encoded, pool_attention, pooling_matrix
 from probes.model.tiny import FAMILIES, tiny_encoder, tiny_folder
-from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train, shared_data_dir
+from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train, require_shared, shared_data_dir
 
 SENTS = [["The", "unbelievably", "quick", "fox", "jumped", "over", "the", "dog", "."],
          ["Hello", "!"], ["A", "cat", ",", "a", "dog", "and", "John", "'s", "mat", "sat", "."] * 2]
@@ -150,9 +150,9 @@ def test_dependency_probe_trains_on_family(chain_data, tmp_path, family):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (shared_data_dir() / "glue" ).is_dir(), reason="shared GLUE data not available")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_disable_heads_analysis_on_family(models, family, tmp_path):
+    require_shared("glue", "shared GLUE data")
     ft = tmp_path / "ft"
     model = AutoModelForSequenceClassification.from_pretrained(str(models[family]), num_labels=2)
     model.save_pretrained(ft)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from probes.data.glove import TextGlove, WordVectors, load_kumo, load_text, vector_rows
-from tests.conftest import shared_data_dir
+from tests.conftest import require_shared
 
 TINY = """\
 the 0.1 0.2 0.3
@@ -67,10 +67,7 @@ def test_kumo_and_shared_text_agree():
     kumo = load_kumo()
     assert kumo.vectors.shape == (400000, 50) and kumo.vectors.dtype == np.float32
     assert kumo.index("the") == 0 and kumo.words[0].as_py() == "the"
-    d = shared_data_dir()
-    f = d / "glove" / "glove.6B.50d.ewt-gum-top50k.txt"
-    if not f.is_file():
-        pytest.skip(f"shared GloVe text not found at {f}")
+    f = require_shared("glove/glove.6B.50d.ewt-gum-top50k.txt", "shared GloVe text")
     text = load_text(f, dim=50)
     assert len(text) == 54943 and text.vectors.shape == (54943, 50)
     np.testing.assert_allclose(text.vectors[text.index("the")], kumo.vectors[0], atol=1e-6)

@@ -7,15 +7,12 @@ import torch
 
 from probes.data.glue import GlueFormatError, read_glue, task_spec
 from probes.glue.metrics import score, task_metrics
-from tests.conftest import shared_data_dir
+from tests.conftest import require_shared
 
 
 @pytest.fixture
 def glue_dir():
-    d = shared_data_dir()
-    if not (d / "glue").is_dir():
-        pytest.skip(f"GLUE data not found at {d / 'glue'}")
-    return d
+    return require_shared("glue", "GLUE data").parent
 
 
 @pytest.mark.slow

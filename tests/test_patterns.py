@@ -18,7 +18,7 @@ from probes.patterns.__main__ import main as patterns_main
 from probes.patterns.datamodule import PatternDataModule, stratified_split
 from probes.patterns.components.cnn import CLASSES, preprocess, preprocess_many
 from probes.patterns.module import PatternClassifier, load_classifier
-from tests.conftest import ROOT, compose_train, shared_data_dir
+from tests.conftest import ROOT, compose_train, require_shared
 
 
 def synthetic_map(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -124,9 +124,7 @@ def test_stratified_split_is_disjoint_stratified_and_seeded():
 
 @pytest.mark.slow
 def test_datamodule_split_on_shared_maps():
-    d = shared_data_dir() / "attention_patterns"
-    if not (d / "maps.npz").is_file():
-        pytest.skip(f"shared attention patterns not found at {d}")
+    d = require_shared("attention_patterns/maps.npz", "shared attention patterns").parent
     labels = json.loads((d / "labels.json").read_text())
     dm = PatternDataModule(str(d), seed=0)
     dm.prepare_data()

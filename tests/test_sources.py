@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from probes.data.sources import ChecksumError, Treebank, ensure_file
-from tests.conftest import shared_data_dir
+from tests.conftest import require_shared
 
 REPO = Path(__file__).resolve().parents[1]
 PAYLOAD = b"1\thello\t_\t_\t_\t_\t0\troot\t_\t_\n\n" * 1000
@@ -116,10 +116,7 @@ def test_treebank(server, tmp_path):
 
 
 def _shared() -> Path:
-    d = shared_data_dir()
-    if not (d / "ud_english_ewt").is_dir():
-        pytest.skip(f"shared data not found at {d}")
-    return d
+    return require_shared("ud_english_ewt").parent
 
 
 @pytest.mark.slow

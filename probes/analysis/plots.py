@@ -40,18 +40,22 @@ def layer_head_axes(ax, m: np.ndarray, *, cmap: str = "viridis", vmin=None, vmax
     return im
 
 
+def panel_grid(n: int, ncols: int, width: float, height: float):
+    """``(fig, axes)``: a grid of ``n`` panels, ``ncols`` a row, each ``width`` x ``height`` inches; the grid's
+    unused cells are switched off and ``axes`` lists the ``n`` used ones in row order."""
+    nrows = int(np.ceil(n / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:n]
+
+
 def layer_head_figure(matrices: dict[str, np.ndarray], ncols: int = 4, **kw):
     """One :func:`layer_head_axes` panel per named (L, H) matrix; ``kw`` as there (title = the name)."""
-    keys = list(matrices)
-    ncols = min(ncols, len(keys))
-    nrows = int(np.ceil(len(keys) / ncols))
     L, H = next(iter(matrices.values())).shape
-    fig, axes = plt.subplots(nrows, ncols, figsize=((0.3 * H + 1.8) * ncols, (0.35 * L + 1.6) * nrows),
-                             squeeze=False)
-    for ax, k in zip(axes.flat, keys):
-        layer_head_axes(ax, matrices[k], title=k, **kw)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
+    fig, axes = panel_grid(len(matrices), min(ncols, len(matrices)), 0.3 * H + 1.8, 0.35 * L + 1.6)
+    for ax, (k, m) in zip(axes, matrices.items()):
+        layer_head_axes(ax, m, title=k, **kw)
     fig.tight_layout()
     return fig
 
@@ -59,17 +63,12 @@ def layer_head_figure(matrices: dict[str, np.ndarray], ncols: int = 4, **kw):
 def heatmaps(stats: dict[str, np.ndarray], titles: dict[str, str] | None = None, ncols: int = 4):
     """One layer x head heatmap per stat; axes labelled 1-based (layer 1 at the top)."""
     titles = titles or STAT_TITLES
-    keys = list(stats)
-    nrows = int(np.ceil(len(keys) / ncols))
     L, H = next(iter(stats.values())).shape
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 0.35 * L * nrows + 1.6 * nrows), squeeze=False)
-    for ax, k in zip(axes.flat, keys):
-        v = stats[k]
+    fig, axes = panel_grid(len(stats), ncols, 3.2, 0.35 * L + 1.6)
+    for ax, (k, v) in zip(axes, stats.items()):
         entropy_like = "entropy" in k
         layer_head_axes(ax, v, vmin=None if entropy_like else 0,
                         vmax=None if entropy_like else max(1e-6, float(np.nanmax(v))), title=titles.get(k, k))
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
     fig.tight_layout()
     return fig
 

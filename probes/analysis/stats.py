@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from scipy import stats
+from scipy.stats import rankdata
 
 LN2 = float(np.log(2.0))
 
@@ -61,8 +63,6 @@ def js_divergence(p: torch.Tensor | np.ndarray, q: torch.Tensor | np.ndarray, ep
 
 def _rank(a: np.ndarray) -> np.ndarray:
     """Average ranks (ties share the mean rank) along the last axis."""
-    from scipy.stats import rankdata
-
     return rankdata(a, axis=-1, method="average")
 
 
@@ -88,8 +88,6 @@ def ols(y: np.ndarray, X: np.ndarray, names: Sequence[str], groups: np.ndarray |
     with n - k df) and ``se_cluster, z_cluster, p_cluster`` (CR1 sandwich by group, normal p-values),
     plus ``n`` and ``n_groups``. Pure numpy/scipy (statsmodels is not a dependency).
     """
-    from scipy import stats
-
     y = np.asarray(y, dtype=np.float64)
     X = np.column_stack([np.ones(len(y)), np.asarray(X, dtype=np.float64).reshape(len(y), -1)])
     n, k = X.shape

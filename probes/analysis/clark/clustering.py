@@ -36,15 +36,19 @@ import inspect
 import logging
 import time
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from sklearn.manifold import MDS
 
-from probes.analysis.clark.head_stats import encode_inputs, separator_positions, sequence_attention
+from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
+from probes.analysis.clark.head_stats import encode_inputs, fitting, separator_positions, sequence_attention
 from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, punct_positions, smooth
 from probes.analysis.naming import head_name
 from probes.analysis.stats import LN2, js_divergence_matrix
-from probes.measures import from_config
+from probes.measures import iter_maps
+from probes.model.families import is_byte_level
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +78,6 @@ def mds_embedding(dist: np.ndarray, seed: int = 0, n_init: int = 5, max_iter: in
                   eps: float = 1e-10) -> tuple[np.ndarray, float]:
     """2-D metric MDS of a precomputed dissimilarity matrix (defaults: Clark's ``n_init=5, max_iter=1000,
     eps=1e-10``); returns (coords (K, 2), stress)."""
-    from sklearn.manifold import MDS
-
     params = inspect.signature(MDS).parameters
     kw = dict(n_components=2, n_init=n_init, max_iter=max_iter, eps=eps, random_state=seed)
     if "metric_mds" in params:  # scikit-learn >= 1.8: `dissimilarity` renamed `metric`
@@ -98,10 +100,6 @@ def kruskal_stress(dist: np.ndarray, coords: np.ndarray) -> float:
 
 
 def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
-
     fig, ax = plt.subplots(figsize=(7, 6))
     if colour_by == "layer":
         sc = ax.scatter(emb.x, emb.y, c=emb.layer + 1, cmap="viridis", s=30)
@@ -123,15 +121,8 @@ def wordpiece_maps(enc, measure, encoded, device: str, max_tokens: int, max_batc
     """Like :func:`~probes.analysis.clark.head_stats.sequence_attention` for any map kind: yield ``(index,
     maps (L, H', T, T) with rows normalised to sum 1, punct (T,), sep (T,))`` of the encoded sequences;
     those longer than the encoder's (or the measure's) maximum are skipped."""
-    from probes.measures import iter_maps
-    from probes.model.families import is_byte_level
-
     tok = enc.tokenizer
-    limit = min(enc.max_length, measure.max_pieces or enc.max_length)
-    keep = [i for i, e in enumerate(encoded) if e.n_pieces <= limit]
-    if len(keep) < len(encoded):
-        log.warning("%d of %d sequences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
-                    len(encoded), limit)
+    keep = fitting(encoded, min(enc.max_length, measure.max_pieces or enc.max_length))
     items, byte_level = [encoded[i] for i in keep], is_byte_level(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     for k, m in iter_maps(measure, enc.model, items, pad, device, max_tokens, max_batch_size, desc="clustering"):
@@ -148,7 +139,7 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     """Compute JS distances between all heads, embed them, save tables and plots; returns the embedding."""
     t0 = time.time()
     enc = ctx.encoder
-    kind, measure = from_config(ctx.cfg.extract)
+    kind, measure = ctx.measure()
     L, H = enc.num_layers, measure.heads(enc.num_heads)
     K = L * H
     sentences = ctx.sentences(split, max_sentences)
@@ -171,7 +162,7 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
                            head_b=np.tile(ha, K), js=dist.reshape(-1), js_per_token=dist.reshape(-1) / max(n_tokens, 1)))
     ctx.save_table(js, "js_distances")
 
-    coords, stress = mds_embedding(dist, seed=int(ctx.cfg.get("seed", 0)), n_init=mds_n_init, max_iter=mds_max_iter,
+    coords, stress = mds_embedding(dist, seed=ctx.seed, n_init=mds_n_init, max_iter=mds_max_iter,
                                    eps=mds_eps)
     stats = stats_acc.result()
     labels = classify_heads(stats, stats_acc.uniform_entropy, position_threshold, special_threshold, broad_fraction)

@@ -20,8 +20,8 @@ sequence's own loss*, so a sequence's gradients do not depend on what it is batc
 * :class:`MLMObjective` (Clark's choice): the first ``max_sentences`` sentences of the treebank
   ``split``, each ``[CLS] s [SEP]``; 15% of the non-special wordpieces of each sentence (at least
   one) are replaced by the mask token using a seeded ``torch.Generator``; the loss is the mean
-  cross-entropy over the masked positions. The model is ``cfg.encoder`` loaded with its MLM head
-  (``instantiate(cfg.encoder, head="mlm")``). A checkpoint without one (the packaged all-MiniLM-L6-v2
+  cross-entropy over the masked positions. The model is the encoder loaded with its MLM head
+  (``instantiate(encoder, head="mlm")`` of the objective's ``encoder`` node, ``${encoder}`` in the config). A checkpoint without one (the packaged all-MiniLM-L6-v2
   is a sentence-embedding model) raises :class:`probes.model.load.MissingHeadError` naming the
   alternatives; objectives are never swapped silently. Random-weight encoders (``random_init: true``,
   ``bert_base_random``, ``tiny``) get a random MLM head like the rest of their weights.
@@ -42,16 +42,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from hydra.utils import instantiate
 from tqdm import tqdm
 
+from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.clark.metrics import is_period_comma, piece_strings
+from probes.data.glue import read_glue
 from probes.model import hooks
 from probes.model.families import is_byte_level, usable_max_length
 from probes.model.inputs import Encoded, encode_texts, encode_words, length_batches, pad
 from probes.model.load import MissingHeadError
+from probes.model.load import load_finetuned
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,8 @@ class Model:
 
 @dataclass
 class Batch:
+    """One padded batch of an objective."""
+
     input_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, T) 1 = real token
     labels: torch.Tensor  # (B, T) MLM (-100 = not scored) | (B,) classification
@@ -78,10 +85,8 @@ class Batch:
 
 # ----------------------------------------------------------------------------- objectives
 def load_masked_lm(encoder_cfg) -> Model:
-    """``cfg.encoder`` with its masked-LM head (random for random-weight encoders); a checkpoint
-    without one raises :class:`MissingHeadError`."""
-    from hydra.utils import instantiate
-
+    """The encoder of the config node ``encoder_cfg`` (``conf/encoder/*.yaml``) with its masked-LM head
+    (random for random-weight encoders); a checkpoint without one raises :class:`MissingHeadError`."""
     enc = instantiate(encoder_cfg, head="mlm")
     try:
         model = enc.model  # weights load here
@@ -95,13 +100,19 @@ class MLMObjective:
 
     name = "mlm"
 
-    def __init__(self, mask_prob: float = 0.15, seed: int = 0):
+    def __init__(self, mask_prob: float = 0.15, seed: int = 0, encoder=None):
+        """``encoder``: the encoder's config node (``${encoder}`` in ``conf/analysis/grad_sep.yaml``), loaded
+        with its masked-LM head by :meth:`load`."""
         if not 0 < mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob}")
-        self.mask_prob, self.seed = float(mask_prob), int(seed)
+        self.mask_prob, self.seed, self.encoder = float(mask_prob), int(seed), encoder
 
     def load(self, ctx) -> Model:
-        return load_masked_lm(ctx.cfg.encoder)
+        """The encoder with its masked-LM head (:func:`load_masked_lm`)."""
+        if self.encoder is None:
+            raise ValueError("grad_sep/mlm: analysis.objectives.mlm.encoder is not set (conf/analysis/grad_sep.yaml "
+                             "sets it to ${encoder}, the encoder's config node)")
+        return load_masked_lm(self.encoder)
 
     def sequences(self, ctx, tokenizer, split: str, max_sentences: int | None, max_length: int) -> list[dict]:
         """The first ``max_sentences`` sentences of ``split`` that fit ``max_length`` pieces (empty ones skipped)."""
@@ -131,15 +142,18 @@ class MLMObjective:
         return out, labels
 
     def prepare(self, seqs: list[dict], tokenizer) -> list[dict]:
+        """The sequences masked (:meth:`mask`), each ``dict(ids, labels)``."""
         masked, labels = self.mask([s["ids"] for s in seqs], tokenizer)
         return [dict(ids=m, labels=l) for m, l in zip(masked, labels)]
 
     def batch(self, items: list[dict], tokenizer) -> Batch:
+        """Padded ids, mask and labels (padding -100) of ``items``."""
         x = pad([it["ids"] for it in items], tokenizer.pad_token_id)
         labels = pad([it["labels"] for it in items], -100)["input_ids"]  # (B, T), padding -100
         return Batch(x["input_ids"], x["attention_mask"], labels)
 
     def loss(self, out, batch: Batch) -> torch.Tensor:
+        """Sum over sequences of each one's mean cross-entropy over its masked positions."""
         logits = out.logits.float()  # (B, T, V)
         labels = batch.labels.to(logits.device)  # (B, T)
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
@@ -164,8 +178,7 @@ class ClassificationObjective:
         self.checkpoint, self.task, self.data_dir, self.examples = checkpoint, task, data_dir, examples
 
     def load(self, ctx) -> Model:
-        from probes.model.load import load_finetuned
-
+        """The fine-tuned classifier of ``checkpoint`` (``ctx.encoder`` rebuilds a ``.ckpt``)."""
         if not self.checkpoint:
             raise ValueError("grad_sep/classification needs analysis.objectives.classification.checkpoint: a "
                              "fine-tuned GLUE run folder, its hf_model folder or a Lightning .ckpt")
@@ -180,12 +193,10 @@ class ClassificationObjective:
     def sequences(self, ctx, tokenizer, split: str, max_sentences: int | None, max_length: int) -> list[dict]:
         """The first ``max_sentences`` examples of the GLUE ``split`` (truncated to ``max_length``)."""
         if self.examples is None:
-            from probes.data.glue import read_glue
-
             if self.task is None:
                 raise ValueError("grad_sep/classification: the checkpoint does not say which GLUE task it was "
                                  "fine-tuned on; set analysis.objectives.classification.task")
-            examples = read_glue(self.task, split, self.data_dir or ctx.cfg.paths.data_dir)
+            examples = read_glue(self.task, split, self.data_dir or ctx.data_dir)
         else:
             examples = list(self.examples)
         out = []
@@ -195,15 +206,18 @@ class ClassificationObjective:
         return out
 
     def prepare(self, seqs: list[dict], tokenizer) -> list[dict]:
+        """The sequences unchanged."""
         return seqs
 
     def batch(self, items: list[dict], tokenizer) -> Batch:
+        """Padded ids, mask, token types (pairs) and labels of ``items``."""
         types = [it["type_ids"] for it in items] if any(it["type_ids"] is not None for it in items) else None
         x = pad([it["ids"] for it in items], tokenizer.pad_token_id, types)
         return Batch(x["input_ids"], x["attention_mask"], torch.tensor([it["label"] for it in items]),
                      x.get("token_type_ids"))
 
     def loss(self, out, batch: Batch) -> torch.Tensor:
+        """Summed cross-entropy (squared error for one-label regression) over the batch."""
         logits = out.logits.float()  # (B, C)
         labels = batch.labels.to(logits.device)  # (B,)
         if logits.shape[-1] == 1:
@@ -277,6 +291,7 @@ class GradAccumulator:
         self.n_sequences += rows.shape[0]
 
     def table(self) -> pd.DataFrame:
+        """Tidy (layer, target, stat, value) rows: mean_abs, mean, count."""
         rows = []
         for l in range(self.L):
             for t in TARGETS:
@@ -301,9 +316,7 @@ def compute(model, tokenizer, objective, items: list[dict], device: str = "cpu",
 
 
 def figure(df: pd.DataFrame):
-    import matplotlib.pyplot as plt  # noqa: F401
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
-
+    """Figure 3: per layer, mean |dLoss/dA| and mean dLoss/dA for each target."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, stat, ylabel in zip(axes, ("mean_abs", "mean"), ("mean |dLoss/dA|", "mean dLoss/dA (signed)")):
         for t, label in zip(TARGETS, ("[SEP]", ". or ,", "other")):

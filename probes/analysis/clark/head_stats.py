@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from probes.analysis import plots
 from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, punct_positions
 from probes.analysis.naming import head_name
 from probes.model import hooks
@@ -90,6 +91,15 @@ def separator_positions(e: Encoded) -> list[bool]:
     return [w == e.n_words for w in e.word_of_piece]
 
 
+def fitting(encoded: Sequence[Encoded], limit: int) -> list[int]:
+    """Indices of the encoded sequences of at most ``limit`` pieces; how many are left out is logged."""
+    keep = [i for i, e in enumerate(encoded) if e.n_pieces <= limit]
+    if len(keep) < len(encoded):
+        log.warning("%d of %d sequences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
+                    len(encoded), limit)
+    return keep
+
+
 def sequence_attention(encoder, encoded: Sequence[Encoded], device: str = "cpu", max_tokens: int = 4096,
                        max_batch_size: int = 64, desc: str = "attention"
                        ) -> Iterator[tuple[int, torch.Tensor, list[bool], list[bool]]]:
@@ -97,10 +107,7 @@ def sequence_attention(encoder, encoded: Sequence[Encoded], device: str = "cpu",
     sequence that fits ``encoder.max_length`` pieces, in length-batch order; longer ones are skipped
     (logged). ``index``: the sequence's position in ``encoded``."""
     tok = encoder.tokenizer
-    keep = [i for i, e in enumerate(encoded) if e.n_pieces <= encoder.max_length]
-    if len(keep) < len(encoded):
-        log.warning("%d of %d sequences exceed %d wordpieces and are skipped", len(encoded) - len(keep),
-                    len(encoded), encoder.max_length)
+    keep = fitting(encoded, encoder.max_length)
     byte_level = is_byte_level(tok)
     items = [encoded[i] for i in keep]
     for k, attn in hooks.iter_attention(encoder.model, items, tok.pad_token_id, device=device, max_tokens=max_tokens,
@@ -122,9 +129,7 @@ def compute(encoder, sentences, device: str = "cpu", pairs: bool = True, **batch
 
 def titles() -> dict[str, str]:
     """Panel titles of the statistics (the plots' defaults plus Fig 2's [SEP] panel)."""
-    from probes.analysis.plots import STAT_TITLES
-
-    return {**STAT_TITLES, "sep": "to [SEP] (all separators)", "sep_sep": "[SEP] -> [SEP]",
+    return {**plots.STAT_TITLES, "sep": "to [SEP] (all separators)", "sep_sep": "[SEP] -> [SEP]",
             "rest_sep": "other -> [SEP]", "punct": "to . or ,"}
 
 
@@ -133,8 +138,6 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     """Compute, save and plot the per-head statistics; returns the tidy table.
 
     ``max_sentences``: the first N sentences of the split (file order), paired when ``pairs``."""
-    from probes.analysis import plots
-
     t0 = time.time()
     sentences = ctx.sentences(split, max_sentences)
     acc, n_sentences, n_sequences = compute(ctx.encoder, sentences, device=ctx.device, pairs=pairs,

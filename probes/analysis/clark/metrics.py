@@ -10,14 +10,13 @@ W = n + 2 with [CLS] at 0, words 1..n, [SEP] at n + 1. Heads and predictions of 
 
 from __future__ import annotations
 
-import string
-import unicodedata
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from probes.analysis.stats import entropy
+from probes.model.families import is_byte_level
 
 HEAD_STATS = ("prev", "self", "next", "cls", "sep", "sep_sep", "rest_sep", "punct", "entropy", "cls_entropy")
 # Clark et al.'s punctuation (General_Analysis.ipynb: ``token == "." or token == ","``), the same in head_stats,
@@ -44,30 +43,17 @@ def piece_text(token: str) -> str:
     return token
 
 
-def is_punct_piece(token: str) -> bool:
-    """A piece made of punctuation characters only, once its marker is stripped (:func:`piece_text`:
-    WordPiece ``##``, byte-level BPE ``Ġ``, SentencePiece ``▁``).
-
-    Punctuation = Unicode category P* or ASCII ``string.punctuation`` (which adds symbols such as
-    ``$ + < = > ^ ` | ~``); special tokens like ``[CLS]`` / ``<s>`` / ``</s>`` are not punctuation.
-    """
-    token = piece_text(token)
-    return bool(token) and all(c in string.punctuation or unicodedata.category(c).startswith("P") for c in token)
-
-
 def is_period_comma(token: str) -> bool:
     """A ``.`` or ``,`` piece (:data:`PERIOD_COMMA`) once its marker is stripped (:func:`piece_text`)."""
     return piece_text(token) in PERIOD_COMMA
 
 
 def piece_strings(tokenizer, ids: Sequence[int], byte_level: bool | None = None) -> list[str]:
-    """The pieces of ``ids`` (T,) as :func:`is_punct_piece` reads them: ``convert_ids_to_tokens``; for
+    """The pieces of ``ids`` (T,) as :func:`is_period_comma` reads them: ``convert_ids_to_tokens``; for
     byte-level BPE the piece's own characters (``ĠâĢľ`` -> ``“``) unless it holds part of a character.
     ``byte_level``: :func:`probes.model.families.is_byte_level` of the tokenizer (computed if None;
     pass it when calling per sentence, it parses the tokenizer's JSON)."""
     if byte_level is None:
-        from probes.model.families import is_byte_level
-
         byte_level = is_byte_level(tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(ids))
     if not byte_level:
@@ -161,12 +147,14 @@ class HeadStatsAccumulator:
         self.log_t += float(np.log(attn.shape[-1]))
 
     def result(self) -> dict[str, np.ndarray]:
+        """stat -> (L, H) mean over the added sentences."""
         if self.n == 0:
             raise ValueError("no sentences were added")
         return {k: (v / self.n).numpy() for k, v in self.sums.items()}
 
     @property
     def uniform_entropy(self) -> float:
+        """Mean over the added sentences of log T (nats)."""
         return self.log_t / max(self.n, 1)
 
 

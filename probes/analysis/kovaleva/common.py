@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from probes.data.glue import task_spec
+from probes.data.glue import GlueExample, read_glue, task_spec
+from probes.glue.evaluate import make_batches
 from probes.model.load import FineTuned, load_finetuned
 
 PRETRAINED, FINETUNED = "pre-trained", "fine-tuned"
@@ -38,15 +39,27 @@ def checkpoint_for(checkpoint, task: str) -> str | None:
     return str(checkpoint)
 
 
-def load_checkpoint(ctx, path: str, task: str | None = None, compare: bool = False) -> FineTuned:
+def load_checkpoint(ctx, path: str, task: str | None = None, compare: bool = False,
+                    require_task: bool = False) -> FineTuned:
     """The fine-tuned model at ``path`` (``ctx.encoder`` rebuilds a ``.ckpt``); ``task`` (if given)
     must be the one it was tuned on; ``compare``: its vocabulary must equal ``ctx.encoder``'s, so its
-    maps line up with the pre-trained ones. The result's ``task`` is the task's canonical name or None."""
+    maps line up with the pre-trained ones. The result's ``task`` is the task's canonical name or None;
+    ``require_task``: an error when neither ``task`` nor the checkpoint says which task it is."""
     needs_encoder = compare or str(path).endswith(".ckpt")
     enc = ctx.encoder if needs_encoder else None
     ft = load_finetuned(path, encoder=enc, task=task, reference_tokenizer=enc.tokenizer if compare else None)
     ft.task = task_spec(ft.task).name if ft.task is not None else None
+    if require_task and ft.task is None:
+        raise ValueError(f"{path}: task unknown (no glue_task.json / finetuning_task); set analysis.task")
     return ft
+
+
+def glue_batches(ctx, ft: FineTuned, split: str, max_examples: int | None, max_length: int,
+                 batch_size: int) -> tuple[list[GlueExample], list[dict]]:
+    """(examples, batches): the first ``max_examples`` examples of the GLUE ``split`` of ``ft.task`` (read from
+    ``ctx.data_dir``) and their padded batches for ``ft``'s tokenizer (:func:`probes.glue.evaluate.make_batches`)."""
+    examples = read_glue(ft.task, split, ctx.data_dir)[:max_examples]
+    return examples, make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
 
 
 def variants(ctx, checkpoint: str | None, task: str | None = None) -> dict[str, tuple[object, object]]:

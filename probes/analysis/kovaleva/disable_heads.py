@@ -24,15 +24,17 @@ from __future__ import annotations
 import logging
 import time
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
+from probes.analysis import plots
+from probes.analysis.kovaleva.common import checkpoints, glue_batches, load_checkpoint
 from probes.analysis.naming import head_name
-from probes.data.glue import read_glue, task_spec
-from probes.glue.evaluate import MODEL_KEYS, make_batches
+from probes.data.glue import task_spec
+from probes.glue.evaluate import MODEL_KEYS
 from probes.glue.metrics import score
 from probes.model import hooks
 
@@ -94,10 +96,7 @@ def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, d
 
 
 def heatmap(df: pd.DataFrame, metric: str, num_layers: int, num_heads: int, task: str):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots
-
+    """Layer x head map of the change of ``metric`` (x100) when each head alone is disabled."""
     d = df[(df.condition == "head") & (df.metric == metric)]
     m = np.full((num_layers, num_heads), np.nan)
     m[d["layer"].to_numpy(), d["head"].to_numpy()] = d["delta"].to_numpy()
@@ -113,10 +112,7 @@ def heatmap(df: pd.DataFrame, metric: str, num_layers: int, num_heads: int, task
 
 
 def layer_bars(df: pd.DataFrame, metric: str, task: str):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots  # noqa: F401
-
+    """One bar per layer: the change of ``metric`` (x100) when the whole layer is disabled."""
     d = df[(df.condition == "layer") & (df.metric == metric)].sort_values("layer")
     base = float(df[(df.condition == "none") & (df.metric == metric)].value.iloc[0])
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(d) + 2), 3.2))
@@ -134,16 +130,15 @@ def layer_bars(df: pd.DataFrame, metric: str, task: str):
 def disable_heads(ctx, *, checkpoint=None, task: str | None = None, split: str = "dev",
                   max_examples: int | None = None, batch_size: int = 64, max_length: int = 128,
                   heads: bool = True, layers: bool = True, reuse_prefix: bool = True) -> pd.DataFrame:
+    """Score every checkpoint with nothing, each head and each layer disabled; save tables and figures;
+    returns the tidy scores of all tasks."""
     t0 = time.time()
     frames, summary = [], {}
     for want_task, path in checkpoints(checkpoint, task).items():
-        ft = load_checkpoint(ctx, path, want_task)
-        if ft.task is None:
-            raise ValueError(f"{path}: task unknown (no glue_task.json / finetuning_task); set analysis.task")
+        ft = load_checkpoint(ctx, path, want_task, require_task=True)
         model = ft.model.to(ctx.device)
         L, H = model.config.num_hidden_layers, model.config.num_attention_heads
-        examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
-        batches = make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
+        examples, batches = glue_batches(ctx, ft, split, max_examples, max_length, batch_size)
         log.info("disable_heads: %s, %d %s examples, %d layers x %d heads", ft.task, len(examples), split, L, H)
         df = disable_scores(model, batches, ft.task, L, H, ctx.device, heads, layers, reuse_prefix=reuse_prefix)
         main = task_spec(ft.task).main_metric

@@ -17,15 +17,16 @@ import logging
 import time
 from contextlib import nullcontext
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
+from probes.analysis import plots
+from probes.analysis.kovaleva.common import checkpoints, glue_batches, load_checkpoint
 from probes.analysis.naming import head_name
-from probes.data.glue import read_glue
-from probes.glue.evaluate import MODEL_KEYS, make_batches
+from probes.glue.evaluate import MODEL_KEYS
 from probes.model import hooks
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,7 @@ def attention_cosine(model_a, model_b, batches, device="cpu", progress: bool = T
 
 
 def heatmaps(values: dict[str, np.ndarray]):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots
-
+    """One layer x head map of the cosines per task."""
     k = len(values)
     L, H = next(iter(values.values())).shape
     fig, axes = plt.subplots(1, k, figsize=((0.45 * H + 1.8) * k, 0.4 * L + 1.6), squeeze=False)
@@ -84,16 +82,14 @@ def heatmaps(values: dict[str, np.ndarray]):
 
 def finetune_cosine(ctx, *, checkpoint=None, task: str | None = None, split: str = "dev",
                     max_examples: int | None = None, batch_size: int = 32, max_length: int = 128) -> pd.DataFrame:
+    """Per task, the per-head cosine between pre-trained and fine-tuned maps; saves table and figure."""
     t0 = time.time()
     pre = ctx.encoder.model.to(ctx.device)
     rows, maps, summary = [], {}, {}
     for want_task, path in checkpoints(checkpoint, task).items():
-        ft = load_checkpoint(ctx, path, want_task, compare=True)  # same vocabulary as the encoder
-        if ft.task is None:
-            raise ValueError(f"{path}: task unknown (no glue_task.json / finetuning_task); set analysis.task")
+        ft = load_checkpoint(ctx, path, want_task, compare=True, require_task=True)  # the encoder's vocabulary
         tuned = ft.model.to(ctx.device)
-        examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
-        batches = make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
+        _, batches = glue_batches(ctx, ft, split, max_examples, max_length, batch_size)
         m, n = attention_cosine(pre, tuned, batches, ctx.device)
         maps[ft.task] = m
         for l in range(m.shape[0]):

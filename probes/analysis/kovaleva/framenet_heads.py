@@ -35,10 +35,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+
+from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoints, load_checkpoint
+from probes.analysis.naming import head_name
+from probes.analysis.plots import layer_head_axes
+from probes.analysis.tables import layer_head_frame
+from probes.data.framenet import read_framenet
+from probes.model.families import usable_max_length
+from probes.model.hooks import iter_attention
+from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +102,6 @@ class _Sums:
 def select_links(sentences, max_sentence_words: int | None = None, max_element_words: int | None = None):
     """Sentences of at most ``max_sentence_words`` words whose links are kept when their frame
     element has at most ``max_element_words`` words (None: no limit); sentences left without links dropped."""
-    from dataclasses import replace
-
     out = []
     for s in sentences:
         if max_sentence_words is not None and len(s.words) > max_sentence_words:
@@ -115,10 +124,6 @@ def head_link_scores(model, tokenizer, sentences, device: str = "cpu", baseline_
     baseline_fe_to_target, difference`` (each (L, H) numpy; difference = score - baseline over the
     links that have a baseline), ``n_links, n_baseline, n_sentences, skipped_long, skipped_overlap,
     no_baseline)``."""
-    from probes.model.families import usable_max_length
-    from probes.model.hooks import iter_attention
-    from probes.model.inputs import encode_words
-
     limit = usable_max_length(model.config)
     sents = [s for s in sentences if s.links and s.words]
     encoded = encode_words(tokenizer, [s.words for s in sents])
@@ -165,10 +170,6 @@ def head_link_scores(model, tokenizer, sentences, device: str = "cpu", baseline_
 
 def figure(results: dict[str, dict]):
     """Per model one row: link score, random-span baseline (same colour scale), difference."""
-    import matplotlib.pyplot as plt
-
-    from probes.analysis.plots import layer_head_axes
-
     models = list(results)
     L, H = results[models[0]]["score"].shape
     hi = max(float(np.nanmax(np.maximum(r["score"], r["baseline"]))) for r in results.values())
@@ -189,14 +190,10 @@ def framenet_heads(ctx, *, max_sentences: int | None = 2000, documents: list[str
                    core_types: list[str] | None = ("Core", "Core-Unexpressed"), baseline_samples: int | None = None,
                    max_sentence_words: int | None = None, max_element_words: int | None = None,
                    checkpoint=None, max_tokens: int = 4096, top: int = 5) -> pd.DataFrame:
-    from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoints, load_checkpoint
-    from probes.analysis.naming import head_name
-    from probes.analysis.tables import layer_head_frame
-    from probes.data.framenet import read_framenet
-
+    """Link and random-span scores of every head for the encoder (and ``checkpoint``); saves table and figure."""
     t0 = time.time()
     keep = tuple(core_types) if core_types is not None else None
-    sentences = read_framenet(ctx.cfg.paths.data_dir, list(documents) if documents else None, max_sentences, keep)
+    sentences = read_framenet(ctx.data_dir, list(documents) if documents else None, max_sentences, keep)
     sentences = select_links(sentences, max_sentence_words, max_element_words)
     n_links = sum(len(s.links) for s in sentences)
     log.info("framenet_heads: %d sentences, %d LU -> FE links", len(sentences), n_links)
@@ -205,10 +202,9 @@ def framenet_heads(ctx, *, max_sentences: int | None = 2000, documents: list[str
         for task, path in checkpoints(checkpoint).items():
             ft = load_checkpoint(ctx, path, task, compare=True)
             models[f"{FINETUNED} ({ft.task})" if ft.task else FINETUNED] = (ft.model, ft.tokenizer)
-    seed = int(ctx.cfg.get("seed", 0))
     results, frames, summary = {}, [], {}
     for label, (model, tok) in models.items():
-        r = head_link_scores(model, tok, sentences, ctx.device, baseline_samples, seed, max_tokens, desc=label)
+        r = head_link_scores(model, tok, sentences, ctx.device, baseline_samples, ctx.seed, max_tokens, desc=label)
         results[label] = r
         values = {k: r[k] for k in ("score", "target_to_fe", "fe_to_target", "baseline", "baseline_target_to_fe",
                                     "baseline_fe_to_target", "difference")}

@@ -24,17 +24,19 @@ from __future__ import annotations
 import logging
 import time
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm
 
-from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
+from probes.analysis import plots
+from probes.analysis.kovaleva.common import checkpoints, glue_batches, load_checkpoint
 from probes.analysis.kovaleva.disable_heads import disable_scores
 from probes.analysis.naming import head_name
 from probes.analysis.stats import spearman_rows
-from probes.data.glue import read_glue, task_spec
-from probes.glue.evaluate import MODEL_KEYS, make_batches
+from probes.data.glue import task_spec
+from probes.glue.evaluate import MODEL_KEYS
 from probes.glue.metrics import score
 from probes.model import hooks
 
@@ -103,10 +105,7 @@ def pruning_curve(model, batches, task: str, order: list[int], shares, L: int, H
 
 
 def heatmap(imp: np.ndarray, task: str):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots
-
+    """Layer x head map of the (layer-normalised) importance."""
     fig, ax = plt.subplots(figsize=(0.5 * imp.shape[1] + 2, 0.45 * imp.shape[0] + 1.5))
     plots.layer_head_axes(ax, imp, cmap="viridis", annotate="{:.2f}",
                           title=f"{task}: head importance (Michel et al.), layer-normalised")
@@ -115,10 +114,7 @@ def heatmap(imp: np.ndarray, task: str):
 
 
 def curve_figure(df: pd.DataFrame, metric: str, task: str):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots  # noqa: F401
-
+    """Pruning curves: ``metric`` against the share of heads removed, by importance and at random."""
     d = df[df.metric == metric]
     fig, ax = plt.subplots(figsize=(5, 3.4))
     imp = d[d.order == "importance"]
@@ -146,14 +142,11 @@ def head_importance_analysis(ctx, *, checkpoint=None, task: str | None = None, s
     frames, summary = [], {}
     shares = np.round(np.arange(0.0, max_share + 1e-9, share_step), 6)
     for want_task, path in checkpoints(checkpoint, task).items():
-        ft = load_checkpoint(ctx, path, want_task)
-        if ft.task is None:
-            raise ValueError(f"{path}: task unknown (no glue_task.json / finetuning_task); set analysis.task")
+        ft = load_checkpoint(ctx, path, want_task, require_task=True)
         model = ft.model.to(ctx.device).eval()
         spec = task_spec(ft.task)
         L, H = int(model.config.num_hidden_layers), int(model.config.num_attention_heads)
-        examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
-        batches = make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size)
+        examples, batches = glue_batches(ctx, ft, split, max_examples, max_length, batch_size)
         log.info("head_importance: %s, %d %s examples, %d layers x %d heads", ft.task, len(examples), split, L, H)
         imp = head_importance(model, batches, spec.num_labels, ctx.device)  # (L, H)
         imp_n = normalize_by_layer(imp)

