@@ -27,8 +27,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
@@ -373,11 +371,6 @@ def analyze(name: str, encoder: Encoder | str | os.PathLike | None = None,
     else:
         tb = treebank
     enc = encoder if encoder is None or isinstance(encoder, Encoder) else load_encoder(encoder)
-    backend = matplotlib.get_backend()
-    try:
-        ctx = AnalysisContext(cfg, out, use_wandb=use_wandb, name=name, encoder=enc, treebank=tb, figures=figures)
-        return run_analysis(cfg, out, context=ctx)
-    finally:
-        if matplotlib.get_backend() != backend:  # the analyses' plots switch to Agg; give a notebook its own back
-            plt.switch_backend(backend)
+    ctx = AnalysisContext(cfg, out, use_wandb=use_wandb, name=name, encoder=enc, treebank=tb, figures=figures)
+    return run_analysis(cfg, out, context=ctx)
 

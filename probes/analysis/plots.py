@@ -1,13 +1,10 @@
-"""Matplotlib figures (Agg backend); heads are labelled with the paper's 1-based names."""
+"""Matplotlib figures (the backend is matplotlib's own choice: Agg without a display, inline in a notebook);
+heads are labelled with the paper's 1-based names."""
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 STAT_TITLES = dict(prev="to previous token", self="to self", next="to next token", cls="to [CLS]",
                    sep="to [SEP]", punct="to punctuation", entropy="entropy (nats)",
