@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.pascual.attribution import select_shortest
+from probes.analysis.pascual.attribution import PATTERNS, argmax_patterns, captum_head_attribution, select_shortest
 from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
-from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution,
-                                              captum_head_attribution, head_attributions, head_scalars_fn,
-                                              ig_baseline, input_x_gradient, integrated_gradients,
-                                              layer_head_scalars_fn, word_embeddings)
+from probes.measures.gradflow import (attribution_distribution, head_attributions, ig_baseline, input_x_gradient,
+                                      integrated_gradients, layer_head_scalars_fn, word_embeddings)
 from probes.model.load import tiny_bert
+from tests.reference import head_scalars_fn
 
 
 def test_linear_toy_attributions_are_w_times_x():
