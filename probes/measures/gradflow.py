@@ -53,7 +53,9 @@ and the embedding LayerNorm stay in the model):
 * gradient x input: ``x_j * d s / d x_j``;
 * integrated gradients with a zero baseline (all word embeddings 0, position/type embeddings
   unchanged): ``x_j * mean_k d s / d x_j (alpha_k x)`` with ``alpha_k = (k - 1/2) / steps``
-  (Riemann midpoint rule, ``steps`` points), the same as captum's ``method="riemann_middle"``.
+  (Riemann midpoint rule, ``steps`` points), the same as captum's ``method="riemann_middle"``;
+* gradient norm (:func:`hta_attributions`): ``|| d s / d x_j ||_2`` over the embedding dimension, no
+  input factor (the reduction of Brunner et al.'s Hidden Token Attribution).
 
 All ``H * T`` targets of a layer are done by one ``vjp`` per (IG step) of the model stopped after
 that layer's attention (``stop=True``) and ``vmap`` over the one-hot cotangents (in chunks). The
@@ -254,3 +256,23 @@ def attribution_distribution(attr: torch.Tensor) -> torch.Tensor:
     mass = attr.abs().sum(-1)
     total = mass.sum(-1, keepdim=True)
     return torch.where(total > 0, mass / total.clamp_min(1e-30), torch.full_like(mass, 1.0 / mass.shape[-1]))
+
+
+def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
+    """``method=hta``: gradient-norm attribution of every head output, (L, H, T_out, T_in).
+
+    ``||d s_{l,h,i} / d x_j||_2`` (2-norm over the embedding dimension, no multiplication by the input),
+    normalised over ``j``; ``s_{l,h,i} = sum_k o_{l,h,i}[k]`` and ``x_j`` the word embeddings as for ``ixg``.
+    This is the reduction of Hidden Token Attribution (Brunner et al. 2020, the same group's earlier
+    measure) as a public reimplementation computes it (gradient of the summed output units, 2-norm, share
+    of the sum); whether Pascual et al. use it for heads could not be checked
+    (:mod:`probes.analysis.pascual.attribution`).
+    """
+    x = word_embeddings(model, input_ids)  # (T, E)
+    T = x.shape[0]
+    out = []
+    for layer in range(num_layers(model)):
+        _, J = jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), x, chunk_size)  # (H*T, T, E)
+        mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
+        out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+    return torch.stack(out).detach()  # (L, H, T, T)

@@ -22,7 +22,7 @@ vectors** (``model.get_input_embeddings()(ids)``, fed as ``inputs_embeds``) by
   ``ig_steps`` Riemann-midpoint points;
 * ``hta`` - the gradient's 2-norm over the embedding dimension, no input factor: the reduction of
   Brunner et al.'s (2020) Hidden Token Attribution, the same group's earlier gradient measure
-  (:func:`hta_attributions`), as an option closer to that lineage.
+  (:func:`probes.measures.gradflow.hta_attributions`), as an option closer to that lineage.
 
 All are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
 :mod:`probes.measures.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
@@ -77,8 +77,8 @@ from tqdm import tqdm
 from probes.analysis.plots import layer_head_figure
 from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
 from probes.analysis.tables import layer_head_frame
-from probes.measures.gradflow import (attribution_distribution, head_attributions, ig_baseline, jacobian_rows,
-                                      layer_head_scalars_fn, num_layers, word_embeddings)
+from probes.measures.gradflow import (attribution_distribution, head_attributions, hta_attributions, ig_baseline,
+                                      word_embeddings)
 from probes.model import hooks
 from probes.model.inputs import encode_words
 
@@ -103,25 +103,6 @@ def argmax_patterns(dist: np.ndarray) -> np.ndarray:
                        ("cls", j == 0)):  # later assignments win: cls > sep > self > prev > next
         out = np.where(cond, PATTERNS.index(name), out)
     return out
-
-
-def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
-    """``method=hta``: gradient-norm attribution of every head output, (L, H, T_out, T_in).
-
-    ``||d s_{l,h,i} / d x_j||_2`` (2-norm over the embedding dimension, no multiplication by the input),
-    normalised over ``j``; ``s_{l,h,i} = sum_k o_{l,h,i}[k]`` and ``x_j`` the word embeddings as for ``ixg``.
-    This is the reduction of Hidden Token Attribution (Brunner et al. 2020, the same group's earlier
-    measure) as a public reimplementation computes it (gradient of the summed output units, 2-norm, share
-    of the sum); whether Pascual et al. use it for heads could not be checked (module doc).
-    """
-    x = word_embeddings(model, input_ids)  # (T, E)
-    T = x.shape[0]
-    out = []
-    for layer in range(num_layers(model)):
-        _, J = jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), x, chunk_size)  # (H*T, T, E)
-        mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
-        out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
-    return torch.stack(out).detach()  # (L, H, T, T)
 
 
 def captum_head_attribution(model: torch.nn.Module, input_ids: torch.Tensor, layer: int, head: int, pos: int,
