@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.pascual.attribution import select_shortest
+from probes.analysis.pascual.attribution import PATTERNS, argmax_patterns, captum_head_attribution, select_shortest
 from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
-from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution,
-                                              captum_head_attribution, head_attributions, head_scalars_fn,
-                                              ig_baseline, input_x_gradient, integrated_gradients,
-                                              layer_head_scalars_fn, word_embeddings)
+from probes.measures.gradflow import (attribution_distribution, head_attributions, hta_attributions, ig_baseline,
+                                      input_x_gradient, integrated_gradients, layer_head_scalars_fn, word_embeddings)
 from probes.model.load import tiny_bert
+from tests.reference import head_scalars_fn
 
 
 def test_linear_toy_attributions_are_w_times_x():
@@ -262,7 +261,7 @@ def test_several_kinds_against_one_attribution_match_slow_reference(tmp_path):
 
 def test_hta_attributions_match_one_grad_per_target(tiny):
     """``method=hta``: ||d s_{l,h,i} / d x_j||_2 normalised over j, against one ``autograd.grad`` per target."""
-    from probes.analysis.pascual.attribution import head_distributions, hta_attributions
+    from probes.analysis.pascual.attribution import head_distributions
 
     enc, ids = tiny
     dist = hta_attributions(enc.model, ids, chunk_size=5)

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from probes.analysis.stats import ols
+from probes.analysis.pascual.attribution import captum_head_attribution
 from probes.analysis.westera.flow import correlations, pair_rows, select_sentences
-from probes.analysis.westera.gradflow import (attribution_distribution, block_functions, captum_head_attribution,
-                                              gradient_flow, gradient_flow_loop, head_attributions,
-                                              hidden_and_attention)
+from probes.measures.gradflow import (attribution_distribution, block_functions, gradient_flow, head_attributions,
+                                      hidden_and_attention)
 from probes.model import hooks
 from probes.model.inputs import encode_words, pooling_matrix
 from probes.model.load import tiny_bert
+from tests.reference import gradient_flow_loop
 
 WORDS = ["the", "qwertyuiop", "cat", "saw", "dogs", "."]
 

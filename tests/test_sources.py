@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tomllib
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -16,7 +17,6 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from probes.data.sources import ChecksumError, Treebank, ensure_file
-from tests.conftest import require_shared
 
 REPO = Path(__file__).resolve().parents[1]
 PAYLOAD = b"1\thello\t_\t_\t_\t_\t0\troot\t_\t_\n\n" * 1000
@@ -115,13 +115,9 @@ def test_treebank(server, tmp_path):
     assert tb.file_sha256("train") == hashlib.sha256(PAYLOAD).hexdigest()  # memoised
 
 
-def _shared() -> Path:
-    return require_shared("ud_english_ewt").parent
-
-
 @pytest.mark.slow
-def test_treebank_from_config():
-    d = _shared()
+def test_treebank_from_config(shared_data):
+    d = shared_data
     cfg = OmegaConf.load(REPO / "conf" / "treebank" / "ewt.yaml")
     cfg.data_dir = str(d)
     tb = instantiate(cfg)
@@ -139,11 +135,53 @@ def load_treebank(name: str, data_dir: Path) -> Treebank:
     return instantiate(cfg.treebank)
 
 
+def _console_script(args: list[str], cwd: Path, data_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """``probes-fetch <args>`` as pyproject.toml declares it (``module:function``), run by this checkout's
+    interpreter from ``cwd`` (not the repository: the config path must not depend on the working folder)."""
+    module, func = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["probes-fetch"].split(":")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if data_dir is not None:
+        env["PROBES_DATA_DIR"] = str(data_dir)
+    return subprocess.run([sys.executable, "-c", f"from {module} import {func}; {func}()", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.slow
-def test_fetch_entry_point_verifies_shared(tmp_path):
+def test_console_script_verifies_files_already_there(tmp_path, shared_data):
+    """`probes-fetch treebank=ewt` from another folder: prints the pinned files it checked, downloads nothing."""
+    before = sorted(p.name for p in (shared_data / "ud_english_ewt").iterdir())
+    out = _console_script(["treebank=ewt", f"paths.data_dir={shared_data}"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    tb = load_treebank("ewt", shared_data)
+    assert out.stdout.splitlines() == [f"ud_english_ewt/{s}: {tb.path(s)}" for s in ("train", "dev", "test")]
+    assert "downloading" not in out.stderr and list(tmp_path.iterdir()) == []  # no run folder either
+    assert sorted(p.name for p in (shared_data / "ud_english_ewt").iterdir()) == before
+
+
+def test_console_script_names_a_corrupt_file(tmp_path):
+    """A data folder whose EWT train file is not the pinned one: a clear sha256 error, the file left as is."""
+    data = tmp_path / "data"
+    (data / "ud_english_ewt").mkdir(parents=True)
+    tb = load_treebank("ewt", data)
+    for split in tb.splits:
+        tb.path(split).write_bytes(PAYLOAD)
+    digest = hashlib.sha256(PAYLOAD).hexdigest()
+    run_dir = tmp_path / "cwd"
+    run_dir.mkdir()
+    out = _console_script(["treebank=ewt"], run_dir, data_dir=data)  # paths.data_dir from $PROBES_DATA_DIR
+    assert out.returncode != 0 and out.stdout == ""
+    assert "ChecksumError" in out.stderr and str(tb.path("train")) in out.stderr
+    assert digest in out.stderr and tb.sha256["train"] in out.stderr
+    assert "treebank.sha256.train" in out.stderr and "conf/treebank/ewt.yaml" in out.stderr
+    assert "downloading" not in out.stderr and tb.path("train").read_bytes() == PAYLOAD
+    assert sorted(p.name for p in (data / "ud_english_ewt").iterdir()) == sorted(tb.files.values())
+
+
+@pytest.mark.slow
+def test_fetch_entry_point_verifies_shared(tmp_path, shared_data):
     """`python -m probes.data.fetch treebank=gum` checks the pinned sha256 of present files, writes no run folder."""
-    d = _shared()
-    env = dict(os.environ, PROBES_DATA_DIR=str(d))
+    d = shared_data
+    env = dict(os.environ, PROBES_DATA_DIR=str(d), PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-m", "probes.data.fetch", "treebank=gum"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -155,8 +193,8 @@ def test_fetch_entry_point_verifies_shared(tmp_path):
 
 
 @pytest.mark.slow
-def test_config_pins_match_shared():
-    d = _shared()
+def test_config_pins_match_shared(shared_data):
+    d = shared_data
     for name, pinned in [("ewt", {"train", "dev", "test"}), ("gum", {"dev", "test"})]:
         tb = load_treebank(name, d)
         assert set(tb.sha256) == pinned and set(tb.urls) == {"train", "dev", "test"}

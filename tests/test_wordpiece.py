@@ -1,7 +1,9 @@
+import pytest
 import torch
 
+from probes.model.inputs import POOLINGS, encode_words, pool_attention, pooling_matrix
 from probes.model.load import load_packaged
-from probes.model.inputs import encode_words, pool_attention, pooling_matrix
+from tests.reference import pooling_by_hand
 
 
 def test_pooling_matrices_follow_clark():
@@ -22,6 +24,21 @@ def test_pooling_matrices_follow_clark():
     expected = attn[0, 0, 1:4, 1:4].sum(-1).mean()
     assert torch.isclose(words[0, 0, 1, 1], expected, atol=1e-6)
     assert torch.isclose(words[0, 0, 0, 1], attn[0, 0, 0, 1:4].sum(), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", POOLINGS)
+def test_pooling_matrix_equals_an_explicit_loop(mode):
+    """Every pooling mode against :func:`tests.reference.pooling_by_hand`, on hand-written piece maps and on
+    the packaged tokenizer's own (words split into several pieces, an unknown word, a one-word sentence)."""
+    cases = [([-1, 0, 0, 0, 1, 2], 2), ([-1, 0, 1, 1, 2, 2, 2, 3], 3), ([-1, 0, 1], 1)]
+    tok = load_packaged(name="minilm").tokenizer
+    sents = [["Unbelievably", "\x07", "cats"], ["antidisestablishmentarianism", "is", "long", "."], ["Hi"]]
+    cases += [(e.word_of_piece, e.n_words) for e in encode_words(tok, sents)]
+    assert any(len(set(wop)) < len(wop) for wop, _ in cases[3:])  # the tokenizer does split some word
+    for wop, n in cases:
+        got, ref = pooling_matrix(wop, n, mode), pooling_by_hand(wop, n, mode)
+        assert got.shape == (n + 2, len(wop))
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-7, msg=f"{mode} {wop}")
 
 
 def test_encode_words_marks_specials_and_unknown_words():

@@ -36,6 +36,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from probes.data.conllu import read_conllu
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CorefError", "CorefSentence", "Mention", "CorefDocument", "parse_entity_field", "read_gum_coref",
@@ -236,8 +238,6 @@ def _feat(feats: str, name: str) -> str | None:
 
 def read_gum_coref(path: str | os.PathLike, sentences=None) -> list[CorefDocument]:
     """Documents of a CoNLL-U file with MISC ``Entity=`` (all mentions, singletons included)."""
-    from probes.data.conllu import read_conllu
-
     path = Path(path)
     sentences = read_conllu(path) if sentences is None else sentences
     docs: list[CorefDocument] = []
@@ -415,8 +415,6 @@ def read_ontogum(conll_path: str | os.PathLike, ud_path: str | os.PathLike) -> l
     that differs (SOURCES.md: one token of GUM_news_iodine is empty in OntoGUM) is logged and the UD
     word is kept; a different word count is an error naming the file and line.
     """
-    from probes.data.conllu import read_conllu
-
     conll_path = Path(conll_path)
     ud = read_conllu(ud_path)
     ud_docs: dict[str, list] = defaultdict(list)

@@ -1,20 +1,50 @@
 """Entry point: download and verify a treebank's pinned files.
 
-``python -m probes.data.fetch treebank=ewt`` (several: ``-m treebank=ewt,gum``); the target folder is
-``paths.data_dir`` ($PROBES_DATA_DIR or <repo>/data). The treebank node is ``conf/treebank/<name>.yaml``.
+``probes-fetch treebank=ewt`` or ``python -m probes.data.fetch treebank=ewt`` (several: ``-m
+treebank=ewt,gum``); the target folder is ``paths.data_dir`` ($PROBES_DATA_DIR or <repo>/data). The
+treebank node is ``conf/treebank/<name>.yaml``. A file already there is not downloaded again but its
+sha256 is checked against the pin (``treebank.sha256.<split>``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from probes.config import CONF_DIR
+from probes.data.sources import ChecksumError, Treebank
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="fetch")
+
+def verify(treebank: Treebank, source: str = "the treebank config") -> dict[str, Path]:
+    """``{split: path}`` of every split of ``treebank``, each present (downloaded when missing and allowed)
+    and equal to its pinned sha256; :class:`~probes.data.sources.ChecksumError` names the file, both
+    digests and the config key (``source``: where the pins come from, for the message)."""
+    out = {}
+    for split in treebank.splits:
+        path = treebank.ensure(split)
+        want = treebank.sha256.get(split)
+        if want is not None:
+            got = treebank.file_sha256(split)
+            if got != want.lower():
+                raise ChecksumError(
+                    f"{path}: sha256 {got} does not match treebank.sha256.{split} = {want} in {source}; "
+                    f"the file is corrupt or another version: delete it to download the pinned one")
+        out[split] = path
+    return out
+
+
+# An absolute config path: Hydra resolves a relative one against the calling module, which fails for the
+# installed console script ("Primary config module 'conf' not found").
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="fetch")
 def main(cfg: DictConfig) -> None:
+    """Verify (download when missing) the files of ``cfg.treebank``; print ``<name>/<split>: <path>``."""
     treebank = instantiate(cfg.treebank)
-    for split, path in treebank.fetch().items():
+    choice = HydraConfig.get().runtime.choices.get("treebank")
+    for split, path in verify(treebank, f"conf/treebank/{choice}.yaml").items():
         print(f"{treebank.name}/{split}: {path}")
 
 

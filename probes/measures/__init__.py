@@ -17,6 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from hydra.utils import instantiate
+from tqdm import tqdm
+
+from probes.model.inputs import length_batches, pad_encoded
 
 
 class Measure:
@@ -36,8 +40,6 @@ class Measure:
 
 def build(maps: str, measures: Mapping | None) -> Measure:
     """The measure of kind ``maps`` from the ``extract.measures`` node (``{kind: {_target_: ...}}``)."""
-    from hydra.utils import instantiate
-
     measures = dict(measures or {"attention": {"_target_": "probes.measures.attention.Attention"}})
     if maps not in measures:
         raise KeyError(f"extract.maps={maps!r} is not one of extract.measures: {', '.join(measures)}")
@@ -79,10 +81,6 @@ def iter_maps(measure: Measure, model: torch.nn.Module, items, pad_id: int, devi
               max_tokens: int = 4096, max_batch_size: int = 64, desc: str = "maps", progress: bool = True):
     """Yield ``(k, (L, H', T_k, T_k) float32 piece maps)`` of every :class:`~probes.model.inputs.Encoded`
     ``items[k]`` (length batches, in batch order): :func:`probes.model.hooks.iter_attention` for any kind."""
-    from tqdm import tqdm
-
-    from probes.model.inputs import length_batches, pad_encoded
-
     model = model.to(device)
     batches = length_batches([it.n_pieces for it in items], max_tokens, max_batch_size)
     with tqdm(total=len(items), desc=desc, unit="seq", disable=None if progress else True) as bar:

@@ -1,6 +1,6 @@
 """``grad_attribution``: gradient attribution of every head's output to the input tokens, as maps (per head).
 
-The attribution Pascual et al.'s analysis computes (:func:`probes.analysis.westera.gradflow.head_attributions`):
+The attribution Pascual et al.'s analysis computes (:func:`probes.measures.gradflow.head_attributions`):
 for head h of layer l and position i, the scalar ``sum_k o^{l,h}_i[k]`` of the head's output (A V before
 the output projection) attributed to the input word embeddings by gradient x input (``method=ixg``) or
 integrated gradients (``ig``, ``ig_steps`` Riemann-midpoint points, zero baseline); ``|attr|`` summed over
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from probes.measures import Measure, per_sentence
+from probes.measures.gradflow import head_attributions, ig_baseline
 from probes.model import hooks
 
 
@@ -28,8 +29,6 @@ class GradAttribution(Measure):
         self.method, self.ig_steps, self.chunk_size = method, int(ig_steps), chunk_size
 
     def __call__(self, model, input_ids, attention_mask):
-        from probes.analysis.westera.gradflow import head_attributions, ig_baseline
-
         L = len(hooks.attention_sites(model))
         H = int(model.config.num_attention_heads)
 

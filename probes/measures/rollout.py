@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_flow
 
 from probes.measures import Measure, joint_maps
 from probes.measures.attention import Attention
@@ -44,9 +46,6 @@ class Rollout(Measure):
 
 def flow_maps(aug: np.ndarray, scale: float = 1e6) -> np.ndarray:
     """Attention flow of one sentence: aug (L, n, n) residual-augmented maps -> (L, n, n) row-normalised flows."""
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import maximum_flow
-
     L, n, _ = aug.shape
     N = (L + 1) * n
     cap = np.zeros((N, N), dtype=np.int32)  # node (l, i) = l * n + i; edges go one layer down

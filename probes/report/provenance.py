@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from probes.io import atomic_write_text
+from probes.report.wandb_files import read_run
 
 FILE = "provenance.json"
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,8 +66,6 @@ def job_command() -> tuple[str, str]:
     """(the command that reruns this job alone, the command line that launched the process)."""
     launched = " ".join(shlex.quote(a) for a in ["python", *_program(), *sys.argv[1:]])
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         hc = HydraConfig.get()
         task = [str(o) for o in hc.overrides.task]
     except Exception:  # not inside a Hydra job
@@ -122,8 +122,6 @@ def read_provenance(run_dir: str | os.PathLike) -> dict[str, Any]:
         out.update(command=" ".join(["python", prog, *(shlex.quote(t) for t in task)]), source=".hydra")
     wandb_files = sorted(run_dir.glob("wandb/*run-*/run-*.wandb"))
     if wandb_files:
-        from probes.report.wandb_files import read_run
-
         try:
             env = read_run(wandb_files[-1]).environment
         except (ValueError, OSError):

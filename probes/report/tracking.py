@@ -18,7 +18,12 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+import wandb
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from pytorch_lightning.loggers import WandbLogger
+
+from probes.report.provenance import write_provenance
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +45,6 @@ def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str,
 
 def _hydra():
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         return HydraConfig.get()
     except Exception:  # not inside a Hydra job (tests composing configs)
         return None
@@ -52,8 +55,6 @@ def run_identity(task_name: str) -> dict[str, str]:
     hc = _hydra()
     if hc is None:
         return dict(group=task_name, name=task_name)
-    from hydra.types import RunMode
-
     if hc.mode == RunMode.MULTIRUN:
         group = Path(str(hc.sweep.dir)).name
     else:
@@ -66,8 +67,6 @@ def run_identity(task_name: str) -> dict[str, str]:
 def init_run(cfg_plain: dict, *, project: str, mode: str, job_type: str, task_name: str,
              dir: str | Path, tags=(), group: str | None = None, name: str | None = None):
     """``wandb.init`` with this project's identity and the flattened config (analyses)."""
-    import wandb
-
     ident = run_identity(task_name)
     return wandb.init(project=project, mode=mode, dir=str(dir), job_type=job_type, tags=list(tags),
                       group=group or ident["group"], name=name or ident["name"], config=flatten(cfg_plain),
@@ -90,8 +89,6 @@ class WandbRunLogger(WandbLogger):
         super().__init__(save_dir=save_dir, project=project, mode=mode, group=group or ident["group"],
                          name=name or ident["name"], job_type=self.job_type, tags=list(tags),
                          log_model=self._artifacts, **kwargs)
-        from probes.report.provenance import write_provenance
-
         write_provenance(save_dir)
 
     def log_hyperparams(self, params) -> None:
@@ -109,8 +106,6 @@ class WandbRunLogger(WandbLogger):
         new = [p for p in files if (str(p), p.stat().st_mtime) not in self._logged_files]
         if not new:
             return
-        import wandb
-
         art = wandb.Artifact(f"predictions-{self.experiment.id}", type="predictions")
         for p in files:
             art.add_file(str(p), name=str(p.relative_to(root)))

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from google.protobuf.json_format import MessageToDict
+from wandb.proto import wandb_internal_pb2 as pb
+
 HEADER = struct.Struct("<4sHB")  # ident, magic, version
 CHUNK = struct.Struct("<IHB")  # crc32, length, type
 BLOCK = 32768
@@ -25,8 +28,6 @@ _CRC = {t: zlib.crc32(bytes((t,))) & 0xFFFFFFFF for t in (FULL, FIRST, MIDDLE, L
 
 def records(path: str | Path) -> Iterator[Any]:
     """Every ``Record`` of a ``.wandb`` file in order; a torn tail (run still writing) ends the scan."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
     data = Path(path).read_bytes()
     if len(data) < HEADER.size:
         raise ValueError(f"{path}: not a wandb run file (shorter than its header)")
@@ -109,8 +110,6 @@ def _items(items) -> dict[str, Any]:
 
 def read_run(path: str | Path) -> OfflineRun:
     """Parse one ``run-<id>.wandb`` file into an :class:`OfflineRun`."""
-    from google.protobuf.json_format import MessageToDict
-
     run = OfflineRun(Path(path))
     for rec in records(path):
         kind = rec.WhichOneof("record_type")

@@ -22,10 +22,10 @@ vectors** (``model.get_input_embeddings()(ids)``, fed as ``inputs_embeds``) by
   ``ig_steps`` Riemann-midpoint points;
 * ``hta`` - the gradient's 2-norm over the embedding dimension, no input factor: the reduction of
   Brunner et al.'s (2020) Hidden Token Attribution, the same group's earlier gradient measure
-  (:func:`hta_attributions`), as an option closer to that lineage.
+  (:func:`probes.measures.gradflow.hta_attributions`), as an option closer to that lineage.
 
 All are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
-:mod:`probes.analysis.westera.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
+:mod:`probes.measures.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
 (method="riemann_middle")`` on the same input (checked on ``captum_check`` random targets per run and
 in the tests; captum itself would need one call per target); ``hta`` is checked in the tests against
 one ``autograd.grad`` per target.
@@ -67,39 +67,69 @@ import logging
 import random
 import time
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from captum.attr import InputXGradient, IntegratedGradients
 from tqdm import tqdm
 
+from probes.analysis.plots import layer_head_figure
 from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
 from probes.analysis.tables import layer_head_frame
-from probes.analysis.westera.gradflow import (PATTERNS, argmax_patterns, attribution_distribution,
-                                              captum_head_attribution, head_attributions, ig_baseline,
-                                              jacobian_rows, layer_head_scalars_fn, num_layers, word_embeddings)
-from probes.measures import build, from_config
+from probes.measures.gradflow import (attribution_distribution, head_attributions, hta_attributions, ig_baseline,
+                                      word_embeddings)
+from probes.model import hooks
 from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
 
+PATTERNS = ("self", "prev", "next", "cls", "sep", "other")
+"""Names of the argmax patterns of a map row, indexed by :func:`argmax_patterns`."""
 
-def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
-    """``method=hta``: gradient-norm attribution of every head output, (L, H, T_out, T_in).
 
-    ``||d s_{l,h,i} / d x_j||_2`` (2-norm over the embedding dimension, no multiplication by the input),
-    normalised over ``j``; ``s_{l,h,i} = sum_k o_{l,h,i}[k]`` and ``x_j`` the word embeddings as for ``ixg``.
-    This is the reduction of Hidden Token Attribution (Brunner et al. 2020, the same group's earlier
-    measure) as a public reimplementation computes it (gradient of the summed output units, 2-norm, share
-    of the sum); whether Pascual et al. use it for heads could not be checked (module doc).
+def argmax_patterns(dist: np.ndarray) -> np.ndarray:
+    """Pattern of each row's argmax, for ``dist`` (..., T, T) with rows = positions i of ``[CLS] ... [SEP]``.
+
+    Returns an int array (..., T) indexing :data:`PATTERNS`; precedence ``cls`` (j = 0), ``sep``
+    (j = T - 1), ``self`` (j = i), ``prev`` (j = i - 1), ``next`` (j = i + 1), else ``other``.
     """
-    x = word_embeddings(model, input_ids)  # (T, E)
-    T = x.shape[0]
-    out = []
-    for layer in range(num_layers(model)):
-        _, J = jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), x, chunk_size)  # (H*T, T, E)
-        mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
-        out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
-    return torch.stack(out).detach()  # (L, H, T, T)
+    dist = np.asarray(dist)
+    T = dist.shape[-1]
+    j = dist.argmax(-1)
+    i = np.broadcast_to(np.arange(T), j.shape)
+    out = np.full(j.shape, PATTERNS.index("other"))
+    for name, cond in (("next", j == i + 1), ("prev", j == i - 1), ("self", j == i), ("sep", j == T - 1),
+                       ("cls", j == 0)):  # later assignments win: cls > sep > self > prev > next
+        out = np.where(cond, PATTERNS.index(name), out)
+    return out
+
+
+def captum_head_attribution(model: torch.nn.Module, input_ids: torch.Tensor, layer: int, head: int, pos: int,
+                            method: str = "ig", steps: int = 20, baseline: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """One target's raw attribution (T, E) with captum (``IntegratedGradients`` with
+    ``method="riemann_middle"`` / ``InputXGradient``) on the word-embedding input - the reference the
+    batched :func:`head_attributions` is checked against. The forward function runs the full model
+    (all layers captured, no early stop), batched over IG steps."""
+    H = int(model.config.num_attention_heads)
+
+    def forward(x):  # (B, T, E) -> (B, L*H*T)
+        with hooks.attention(model, values=True) as s:
+            s.run(inputs_embeds=x, attention_mask=torch.ones(x.shape[:2], dtype=torch.long, device=x.device))
+            out = torch.stack([s.output[l] for l in s.capture], 1)  # (B, L, T, H, d)
+        return out.sum(-1).transpose(2, 3).reshape(x.shape[0], -1)  # (B, L*H*T)
+
+    x = word_embeddings(model, input_ids).unsqueeze(0).clone()  # (1, T, E)
+    T = x.shape[1]
+    target = (layer * H + head) * T + pos
+    if method in ("ixg", "input_x_gradient"):
+        attr = InputXGradient(forward).attribute(x, target=target)
+    else:
+        b = torch.zeros_like(x) if baseline is None else baseline.unsqueeze(0)
+        attr = IntegratedGradients(forward).attribute(x, baselines=b, target=target, n_steps=steps,
+                                                      method="riemann_middle")
+    return attr[0].detach()
 
 
 CAPTUM_CHECKED = ("ixg", "ig")  # methods re-done with captum on ``captum_check`` targets
@@ -136,9 +166,7 @@ def dominant_pattern_agreement(map_counts: np.ndarray, attr_counts: np.ndarray) 
 
 
 def figure_layers(layers: pd.DataFrame):
-    import matplotlib.pyplot as plt
-    from probes.analysis import plots  # noqa: F401
-
+    """Per-layer JS, Spearman, top-1 and pattern agreement of every (kind, method) comparison."""
     cols = ("js", "spearman", "top1", "pattern_agree")
     labs = ("JS divergence", "Spearman rho", "top-1 agreement", "heads with the same dominant pattern")
     fig, axes = plt.subplots(1, len(cols), figsize=(14.5, 3.4))
@@ -155,8 +183,6 @@ def figure_layers(layers: pd.DataFrame):
 
 def figure_heads(heads: pd.DataFrame):
     """Per-head top-1 agreement (layer x head) of every per-head kind and method."""
-    from probes.analysis.plots import layer_head_figure
-
     mats = {}
     for (kind, m), g in heads.groupby(["kind", "method"], sort=False):
         if g["head"].nunique() > 1:
@@ -165,9 +191,7 @@ def figure_heads(heads: pd.DataFrame):
 
 
 def figure_patterns(pat: pd.DataFrame):
-    import matplotlib.pyplot as plt
-    from probes.analysis import plots  # noqa: F401
-
+    """Stacked shares of the argmax patterns per layer, one panel per source (map kind or method)."""
     sources = list(dict.fromkeys(pat.source))
     fig, axes = plt.subplots(1, len(sources), figsize=(3.6 * len(sources), 3.3), sharey=True)
     axes = np.atleast_1d(axes)
@@ -251,9 +275,9 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
     pad_id = enc.tokenizer.pad_token_id if enc.tokenizer.pad_token_id is not None else 0
     if kinds:
         kinds = [str(k) for k in kinds]
-        measures = {k: build(k, ctx.cfg.extract.get("measures")) for k in kinds}
+        measures = dict(ctx.measure(k) for k in kinds)
     else:
-        kind, measure = from_config(ctx.cfg.extract)
+        kind, measure = ctx.measure()
         kinds, measures = [kind], {kind: measure}
     L, NH = enc.num_layers, enc.num_heads
     methods = list(methods)

@@ -13,7 +13,7 @@ layer ``n`` (0-based ``layer`` = n - 1 in the files) and every word pair (``t1``
 Scalar reduction (Westera's reference code ``mwestera/bertology`` ``interface_BERT.py``): backward of
 the **sum of the hidden units of h_n(t2)** (``layer.backward(mask)`` with a ones mask on token t2),
 then the **2-norm over the hidden units** of each input token. All output tokens of a layer are
-done in one batched VJP (``torch.func.vjp`` + ``vmap``); see :mod:`probes.analysis.westera.gradflow`.
+done in one batched VJP (``torch.func.vjp`` + ``vmap``); see :mod:`probes.measures.gradflow`.
 
 Word pooling = the attention cache's: ``A_word = M_mean A M_sum^T`` (FROM a word: mean over its
 pieces; TO a word: sum over its pieces). For G/G* the same matrices are applied to the **gradient
@@ -43,12 +43,15 @@ import logging
 import random
 import time
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from scipy.stats import pearsonr, spearmanr
 from tqdm import tqdm
 
-from probes.analysis.westera.gradflow import gradient_flow
+from probes.analysis import plots  # noqa: F401  (Agg backend)
+from probes.measures.gradflow import gradient_flow
 from probes.model.inputs import encode_words, pooling_matrix
 
 log = logging.getLogger(__name__)
@@ -110,8 +113,6 @@ def pair_rows(sid: int, words: list[str], flow: dict[str, torch.Tensor],
 def correlations(df: pd.DataFrame, measures=("G", "Gstar"), against: str = "A") -> pd.DataFrame:
     """Spearman rho (and Pearson r, the measure of Westera's ``correlation.py``) of each measure vs
     ``against`` per layer, all layers pooled; per-sentence mean of rho."""
-    from scipy.stats import pearsonr, spearmanr
-
     subsets = {"all": df, "words_no_self": df[(~df.special) & (df.t1 != df.t2)]}
     rows = []
     for m in measures:
@@ -132,6 +133,7 @@ def correlations(df: pd.DataFrame, measures=("G", "Gstar"), against: str = "A") 
 
 
 def layer_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per layer, over real-word pairs: the mean of each measure and the share of its mass on self pairs."""
     d = df[~df.special]
     out = d.groupby("layer")[[m for m in MEASURES if m in d]].mean().add_prefix("mean_")
     self_rows = d[d.t1 == d.t2].groupby("layer")[[m for m in MEASURES if m in d]].sum()
@@ -141,9 +143,7 @@ def layer_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def curve_figure(corr: pd.DataFrame):
-    import matplotlib.pyplot as plt
-    from probes.analysis import plots  # noqa: F401  (Agg backend)
-
+    """Per-layer Spearman rho of G and G* vs A, for all pairs and for real words without self pairs."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
     for ax, pairs in zip(axes, ("all", "words_no_self")):
         c = corr[(corr.pairs == pairs) & (corr.scope == "layer")]
@@ -160,9 +160,7 @@ def curve_figure(corr: pd.DataFrame):
 
 
 def scatter_figure(df: pd.DataFrame, max_points: int = 5000, seed: int = 0):
-    import matplotlib.pyplot as plt
-    from probes.analysis import plots  # noqa: F401
-
+    """G vs A of at most ``max_points`` real-word pairs (seeded subsample), coloured by layer."""
     d = df[~df.special]
     if len(d) > max_points:
         d = d.sample(max_points, random_state=seed)

@@ -48,13 +48,16 @@ import logging
 import time
 from collections import defaultdict
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
 
+from probes.analysis import plots  # noqa: F401  (Agg backend)
 from probes.analysis.stats import ols
 from probes.analysis.westera import original as W
 from probes.analysis.westera.flow import select_sentences, sentence_flow
+from probes.data.coref import read_gum_coref
 from probes.model.inputs import pooling_matrix
 
 log = logging.getLogger(__name__)
@@ -67,8 +70,6 @@ CONTROLS = ("log_distance", "log_n_words", "t1_before_t2")
 def head_clusters(sentences, path) -> list[list[set[str]]]:
     """Per sentence of ``sentences`` (a whole split, file order), per word: the entity clusters of the
     mentions whose head is that word (empty set: heads no mention)."""
-    from probes.data.coref import read_gum_coref
-
     docs = read_gum_coref(path, sentences)
     out: list[list[set[str]]] = []
     for d in docs:
@@ -113,6 +114,7 @@ CONTRASTS = {"open_class": "open1", "coref": "coreferent"}
 
 
 def regressions(df: pd.DataFrame, measures=("G", "Gstar", "A"), transforms=("raw", "log")) -> pd.DataFrame:
+    """OLS of each measure (``raw`` or ``log``) on each contrast's indicator and :data:`CONTROLS`, per layer."""
     rows = []
     for contrast, ind in CONTRASTS.items():
         d0 = df[df[ind].notna()]
@@ -139,9 +141,7 @@ def regressions(df: pd.DataFrame, measures=("G", "Gstar", "A"), transforms=("raw
 
 
 def effect_figure(eff: pd.DataFrame, transform: str = "log"):
-    import matplotlib.pyplot as plt
-    from probes.analysis import plots  # noqa: F401
-
+    """Per-layer cluster-robust z of each contrast's indicator, one panel per contrast."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, (contrast, title) in zip(axes, (("open_class", "open- vs closed-class t1"),
                                             ("coref", "coreferent vs not (noun -> pronoun)"))):
@@ -305,9 +305,7 @@ class _Original:
 
 
 def _westera_figure(tests: pd.DataFrame, ctt: pd.DataFrame):
-    import matplotlib.pyplot as plt
-    from probes.analysis import plots  # noqa: F401
-
+    """Welch t per layer: open vs closed class balance, and coref vs not (noun -> pronoun)."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     oc = tests[(tests.test == "open_closed") & (tests.layer >= 0)]
     for m, g in oc.groupby("measure"):

@@ -30,6 +30,9 @@ from itertools import combinations
 
 import numpy as np
 import pandas as pd
+from scipy.stats import pearsonr, spearmanr, ttest_ind
+
+from probes.analysis.stats import ols
 
 OPEN_TAGS = ("ADJ", "ADV", "INTJ", "NOUN", "PROPN", "VERB")
 CLOSED_TAGS = ("ADP", "AUX", "CCONJ", "DET", "NUM")
@@ -89,8 +92,6 @@ def coref_items(xpos: Sequence[str], clusters: Sequence[set], noun_xpos=NOUN_XPO
 
 def welch(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """Welch's t and two-sided p (scipy ttest_ind, equal_var=False), NaNs dropped."""
-    from scipy.stats import ttest_ind
-
     a, b = np.asarray(a, float), np.asarray(b, float)
     a, b = a[~np.isnan(a)], b[~np.isnan(b)]
     if len(a) < 2 or len(b) < 2:
@@ -118,8 +119,6 @@ def group_tests(df: pd.DataFrame, measure: str, groups: Sequence[str], test: str
 def coref_tests(items: pd.DataFrame, measure: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(Welch t-tests coref vs not per layer and pooled, OLS y ~ 1 + coref + distance + coref x distance
     over all item x layer rows and per layer); ``items``: one row per (item, layer)."""
-    from probes.analysis.stats import ols
-
     t_rows = []
     for layer, d in [*items.groupby("layer"), (-1, items)]:
         a, b = d.loc[d.coref == 1, measure].to_numpy(), d.loc[d.coref == 0, measure].to_numpy()
@@ -140,8 +139,7 @@ def coref_tests(items: pd.DataFrame, measure: str) -> tuple[pd.DataFrame, pd.Dat
 
 
 def pearson_spearman(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    from scipy.stats import pearsonr, spearmanr
-
+    """Pearson's r and Spearman's rho of ``x`` and ``y`` over their jointly finite entries, and that count."""
     ok = np.isfinite(x) & np.isfinite(y)
     x, y = x[ok], y[ok]
     if len(x) < 3:

@@ -1,4 +1,7 @@
-"""Shared maths of the gradient-flow (Westera 2019) and gradient-attribution (Pascual et al. 2021) analyses.
+"""Gradient maths: gradient flow (Westera 2019) and head-output attributions (Pascual et al. 2021).
+
+The ``grad_attribution`` map kind (:mod:`probes.measures.gradient`) and the ``flow``,
+``flow_correlates`` and ``attribution`` analyses share these functions.
 
 Everything here takes plain tensors / any encoder of a supported family (BERT, DistilBERT, ALBERT,
 DeBERTa-v2, ...; base or task model) and one sentence at a time (no padding, so a sentence's numbers
@@ -27,7 +30,7 @@ the block function (``hooks.block_function``: block ``n``'s output as a function
 states) with the ``T`` cotangents ``e_t2 (x) 1_D``; ``torch.func.vjp`` linearises the block once and
 ``torch.func.vmap`` applies the VJP to all cotangents in one batched backward pass. ``G*`` chains the
 same per-layer VJP functions down to ``h_0`` (``n`` batched passes for layer ``n``), so a sentence
-costs ``L`` linearisations and ``L (L + 1) / 2`` batched VJPs. :func:`gradient_flow_loop` is the
+costs ``L`` linearisations and ``L (L + 1) / 2`` batched VJPs. The tests check it against an
 independent reference: one plain forward and one ``autograd.grad`` per output token.
 
 Word-level pooling (the cache's: attention FROM a word = mean over its pieces, TO a word = sum over its
@@ -50,7 +53,9 @@ and the embedding LayerNorm stay in the model):
 * gradient x input: ``x_j * d s / d x_j``;
 * integrated gradients with a zero baseline (all word embeddings 0, position/type embeddings
   unchanged): ``x_j * mean_k d s / d x_j (alpha_k x)`` with ``alpha_k = (k - 1/2) / steps``
-  (Riemann midpoint rule, ``steps`` points), the same as captum's ``method="riemann_middle"``.
+  (Riemann midpoint rule, ``steps`` points), the same as captum's ``method="riemann_middle"``;
+* gradient norm (:func:`hta_attributions`): ``|| d s / d x_j ||_2`` over the embedding dimension, no
+  input factor (the reduction of Brunner et al.'s Hidden Token Attribution).
 
 All ``H * T`` targets of a layer are done by one ``vjp`` per (IG step) of the model stopped after
 that layer's attention (``stop=True``) and ``vmap`` over the one-hot cotangents (in chunks). The
@@ -62,7 +67,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch.func import vjp, vmap
 
@@ -76,6 +80,7 @@ def _inputs(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def num_layers(model: torch.nn.Module) -> int:
+    """The model's number of layers (``config.num_hidden_layers``)."""
     return int(model.config.num_hidden_layers)
 
 
@@ -148,51 +153,12 @@ def gradient_flow(model: torch.nn.Module, input_ids: torch.Tensor, from_mat: tor
     return out
 
 
-def gradient_flow_loop(model: torch.nn.Module, input_ids: torch.Tensor, chain: bool = False) -> torch.Tensor:
-    """Reference G (or G* when ``chain``) at piece level with one ``autograd.grad`` per output token (tests).
-
-    Westera's loop, independent of the block functions and of vjp/vmap: one plain forward
-    ``model(inputs_embeds=..., output_hidden_states=True)``, then for every layer and output token
-    ``t2`` the gradient of ``sum_d h_n(t2)`` w.r.t. the intermediate tensor ``h_{n-1}`` (``h_0`` when
-    ``chain``), 2-norm over the hidden units. Returns (L, T, T) [t2, t1]. Needs ``hidden_states[n]`` to
-    be block ``n - 1``'s output (BERT, DistilBERT, ALBERT, DeBERTa-v2: tested; not ModernBERT's last
-    entry, which is after the final norm).
-    """
-    with torch.enable_grad():
-        x = model.get_input_embeddings()(input_ids.unsqueeze(0)).detach().requires_grad_(True)  # (1, T, E)
-        inputs = hooks.model_inputs(model, inputs_embeds=x, attention_mask=torch.ones_like(input_ids)[None],
-                                    output_hidden_states=True)
-        hs = model(**inputs).hidden_states  # L + 1 x (1, T, D), one graph
-        res = []
-        for n in range(1, len(hs)):
-            src, y = (hs[0] if chain else hs[n - 1]), hs[n]
-            rows = []
-            for t2 in range(y.shape[1]):
-                (g,) = torch.autograd.grad(y[0, t2].sum(), src, retain_graph=True)
-                rows.append(torch.linalg.vector_norm(g[0], dim=-1))  # (T,)
-            res.append(torch.stack(rows))  # (T, T)
-    return torch.stack(res).detach()  # (L, T, T)
-
-
 # --------------------------------------------------------------------------- head attributions
 
 
 def _head_scalars(out: torch.Tensor) -> torch.Tensor:
     """Head outputs (B, T, H, d) -> per-head scalars (B, H, T): the sum over each head's d units."""
     return out.sum(-1).transpose(1, 2)
-
-
-def head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x (T, D) word embeddings -> s (L, H, T)``, ``s[l, h, i] = sum_k o_{l,h,i}[k]`` (full model; see module doc)."""
-    mask = torch.ones_like(input_ids).unsqueeze(0)  # (1, T)
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        with hooks.attention(model, values=True) as s:
-            s.run(inputs_embeds=x.unsqueeze(0), attention_mask=mask)
-            out = torch.stack([s.output[l][0] for l in s.capture])  # (L, T, H, d)
-        return _head_scalars(out)  # (L, H, T)
-
-    return f
 
 
 def word_embeddings(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -235,8 +201,8 @@ def layer_head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor, layer
 
     Runs the model on ``inputs_embeds=x`` in a ``hooks.attention(layers=[layer], stop=True,
     values=True)`` session and sums the head outputs ``s.output[layer]`` (1, T, H, d) over each head's
-    ``d`` units. Same numbers as :func:`head_scalars_fn` ``[layer]`` (tested); the early stop saves the
-    forward and backward through later layers.
+    ``d`` units. Same numbers as the full model's head outputs at ``layer`` (tested); the early stop saves
+    the forward and backward through later layers.
     """
     mask = torch.ones_like(input_ids).unsqueeze(0)  # (1, T)
 
@@ -285,35 +251,6 @@ def head_attributions(model: torch.nn.Module, input_ids: torch.Tensor, method: s
     return torch.stack(out).detach()  # (L, H, T, T)
 
 
-def captum_head_attribution(model: torch.nn.Module, input_ids: torch.Tensor, layer: int, head: int, pos: int,
-                            method: str = "ig", steps: int = 20, baseline: torch.Tensor | None = None
-                            ) -> torch.Tensor:
-    """One target's raw attribution (T, E) with captum (``IntegratedGradients`` with
-    ``method="riemann_middle"`` / ``InputXGradient``) on the word-embedding input - the reference the
-    batched :func:`head_attributions` is checked against. The forward function runs the full model
-    (all layers captured, no early stop), batched over IG steps."""
-    from captum.attr import InputXGradient, IntegratedGradients
-
-    H = int(model.config.num_attention_heads)
-
-    def forward(x):  # (B, T, E) -> (B, L*H*T)
-        with hooks.attention(model, values=True) as s:
-            s.run(inputs_embeds=x, attention_mask=torch.ones(x.shape[:2], dtype=torch.long, device=x.device))
-            out = torch.stack([s.output[l] for l in s.capture], 1)  # (B, L, T, H, d)
-        return out.sum(-1).transpose(2, 3).reshape(x.shape[0], -1)  # (B, L*H*T)
-
-    x = word_embeddings(model, input_ids).unsqueeze(0).clone()  # (1, T, E)
-    T = x.shape[1]
-    target = (layer * H + head) * T + pos
-    if method in ("ixg", "input_x_gradient"):
-        attr = InputXGradient(forward).attribute(x, target=target)
-    else:
-        b = torch.zeros_like(x) if baseline is None else baseline.unsqueeze(0)
-        attr = IntegratedGradients(forward).attribute(x, baselines=b, target=target, n_steps=steps,
-                                                      method="riemann_middle")
-    return attr[0].detach()
-
-
 def attribution_distribution(attr: torch.Tensor) -> torch.Tensor:
     """``|attr|`` summed over the last (embedding) dim, normalised to sum 1 over the token dim (-2 before)."""
     mass = attr.abs().sum(-1)
@@ -321,24 +258,21 @@ def attribution_distribution(attr: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, mass / total.clamp_min(1e-30), torch.full_like(mass, 1.0 / mass.shape[-1]))
 
 
-# --------------------------------------------------------------------------- comparison helpers
+def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
+    """``method=hta``: gradient-norm attribution of every head output, (L, H, T_out, T_in).
 
-
-PATTERNS = ("self", "prev", "next", "cls", "sep", "other")
-
-
-def argmax_patterns(dist: np.ndarray) -> np.ndarray:
-    """Pattern of each row's argmax, for ``dist`` (..., T, T) with rows = positions i of ``[CLS] ... [SEP]``.
-
-    Returns an int array (..., T) indexing :data:`PATTERNS`; precedence ``cls`` (j = 0), ``sep``
-    (j = T - 1), ``self`` (j = i), ``prev`` (j = i - 1), ``next`` (j = i + 1), else ``other``.
+    ``||d s_{l,h,i} / d x_j||_2`` (2-norm over the embedding dimension, no multiplication by the input),
+    normalised over ``j``; ``s_{l,h,i} = sum_k o_{l,h,i}[k]`` and ``x_j`` the word embeddings as for ``ixg``.
+    This is the reduction of Hidden Token Attribution (Brunner et al. 2020, the same group's earlier
+    measure) as a public reimplementation computes it (gradient of the summed output units, 2-norm, share
+    of the sum); whether Pascual et al. use it for heads could not be checked
+    (:mod:`probes.analysis.pascual.attribution`).
     """
-    dist = np.asarray(dist)
-    T = dist.shape[-1]
-    j = dist.argmax(-1)
-    i = np.broadcast_to(np.arange(T), j.shape)
-    out = np.full(j.shape, PATTERNS.index("other"))
-    for name, cond in (("next", j == i + 1), ("prev", j == i - 1), ("self", j == i), ("sep", j == T - 1),
-                       ("cls", j == 0)):  # later assignments win: cls > sep > self > prev > next
-        out = np.where(cond, PATTERNS.index(name), out)
-    return out
+    x = word_embeddings(model, input_ids)  # (T, E)
+    T = x.shape[0]
+    out = []
+    for layer in range(num_layers(model)):
+        _, J = jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), x, chunk_size)  # (H*T, T, E)
+        mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
+        out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+    return torch.stack(out).detach()  # (L, H, T, T)

@@ -1,0 +1,72 @@
+"""Slow, independent references the tests check the batched maths of :mod:`probes.measures.gradflow` against.
+
+Written without the block functions, ``torch.func`` or early stops: one plain forward and one
+``autograd.grad`` per output, or the full model's head outputs from forward hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from probes.model import hooks
+
+
+def gradient_flow_loop(model: torch.nn.Module, input_ids: torch.Tensor, chain: bool = False) -> torch.Tensor:
+    """Reference G (or G* when ``chain``) at piece level with one ``autograd.grad`` per output token.
+
+    Westera's loop, independent of the block functions and of vjp/vmap: one plain forward
+    ``model(inputs_embeds=..., output_hidden_states=True)``, then for every layer and output token
+    ``t2`` the gradient of ``sum_d h_n(t2)`` w.r.t. the intermediate tensor ``h_{n-1}`` (``h_0`` when
+    ``chain``), 2-norm over the hidden units. Returns (L, T, T) [t2, t1]. Needs ``hidden_states[n]`` to
+    be block ``n - 1``'s output (BERT, DistilBERT, ALBERT, DeBERTa-v2: tested; not ModernBERT's last
+    entry, which is after the final norm).
+    """
+    with torch.enable_grad():
+        x = model.get_input_embeddings()(input_ids.unsqueeze(0)).detach().requires_grad_(True)  # (1, T, E)
+        inputs = hooks.model_inputs(model, inputs_embeds=x, attention_mask=torch.ones_like(input_ids)[None],
+                                    output_hidden_states=True)
+        hs = model(**inputs).hidden_states  # L + 1 x (1, T, D), one graph
+        res = []
+        for n in range(1, len(hs)):
+            src, y = (hs[0] if chain else hs[n - 1]), hs[n]
+            rows = []
+            for t2 in range(y.shape[1]):
+                (g,) = torch.autograd.grad(y[0, t2].sum(), src, retain_graph=True)
+                rows.append(torch.linalg.vector_norm(g[0], dim=-1))  # (T,)
+            res.append(torch.stack(rows))  # (T, T)
+    return torch.stack(res).detach()  # (L, T, T)
+
+
+def head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x (T, D) word embeddings -> s (L, H, T)``, ``s[l, h, i] = sum_k o_{l,h,i}[k]`` (the full model,
+    all layers captured, no early stop; the head outputs of :mod:`probes.measures.gradflow`)."""
+    mask = torch.ones_like(input_ids).unsqueeze(0)  # (1, T)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with hooks.attention(model, values=True) as s:
+            s.run(inputs_embeds=x.unsqueeze(0), attention_mask=mask)
+            out = torch.stack([s.output[l][0] for l in s.capture])  # (L, T, H, d)
+        return out.sum(-1).transpose(1, 2)  # (L, H, T): sum over each head's d units
+
+    return f
+
+
+def pooling_by_hand(word_of_piece: list[int], n_words: int, mode: str) -> torch.Tensor:
+    """(W, T) word pooling matrix, W = n_words + 2, written out entry by entry (the reference for
+    :func:`probes.model.inputs.pooling_matrix`): row 0 = the first special token, rows 1..n_words = the
+    words, row W - 1 = the last special token (``word_of_piece`` -1 and n_words); ``sum``: 1 on each of the
+    row's pieces, ``mean``: 1 / its piece count, ``first``: 1 on its first piece only."""
+    T, W = len(word_of_piece), n_words + 2
+    m = torch.zeros(W, T)
+    for row in range(W):
+        pieces = [t for t in range(T) if word_of_piece[t] + 1 == row]
+        for t in pieces:
+            if mode == "sum":
+                m[row, t] = 1.0
+            elif mode == "mean":
+                m[row, t] = 1.0 / len(pieces)
+            elif mode == "first" and t == pieces[0]:
+                m[row, t] = 1.0
+    return m
