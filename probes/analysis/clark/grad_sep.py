@@ -164,7 +164,7 @@ class ClassificationObjective:
         self.checkpoint, self.task, self.data_dir, self.examples = checkpoint, task, data_dir, examples
 
     def load(self, ctx) -> Model:
-        from probes.model.load import load_finetuned
+        from probes.glue.export import load_finetuned
 
         if not self.checkpoint:
             raise ValueError("grad_sep/classification needs analysis.objectives.classification.checkpoint: a "

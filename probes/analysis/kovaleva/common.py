@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from probes.data.glue import task_spec
-from probes.model.load import FineTuned, load_finetuned
+from probes.glue.export import FineTuned, load_finetuned
 
 PRETRAINED, FINETUNED = "pre-trained", "fine-tuned"
 

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 def run_setting(run: str | Path) -> tuple[str, float]:
     """(task, layer_decay) of a GLUE run folder: its exported ``hf_model/glue_task.json``, or for runs
     exported before the decay was recorded there, the run's ``.hydra/config.yaml``."""
-    from probes.model.load import EXPORT_INFO, hf_folder
+    from probes.glue.export import EXPORT_INFO, hf_folder
 
     folder = hf_folder(run)
     info_path = folder / EXPORT_INFO if folder is not None else Path(run) / "hf_model" / EXPORT_INFO
