@@ -88,6 +88,21 @@ def test_smoke_sweep_scores_the_untrained_probe_without_fit_false(chain_data, tm
     assert rows["probe=attn_only"]["status"] == "ok" and rows["probe=attn_only"]["test/uas"] == f"{100 * trained['test/uas']:.1f}"
 
 
+def test_checkpoint_callbacks_read_the_probes_monitor():
+    """One key per probe config: the module's tracked best and the kept checkpoint follow ``probe.monitor``."""
+    for experiment, monitor in (("table3_attn_glove", "val/uas"), ("table3_hidden_directed", "val/uas"),
+                                ("table3_structural", "val/uuas"), ("structural_depth", "val/root_acc"),
+                                ("glue_cola", "val/mcc")):
+        cfg = compose_train([f"experiment={experiment}", "logger=none", "paths.output_dir=/tmp/x"])
+        assert cfg.probe.monitor == monitor and cfg.probe.mode == "max", experiment
+        ckpt = cfg.callbacks.model_checkpoint
+        assert (ckpt.monitor, ckpt.mode) == (monitor, "max"), experiment
+        assert cfg.optimized_metric == f"{monitor}_best", experiment
+    cfg = compose_train(["experiment=patterns", "logger=none", "paths.output_dir=/tmp/x", "probe.mode=min"])
+    assert cfg.callbacks.model_checkpoint.monitor is None  # no validation split: the last epoch is kept
+    assert cfg.probe.monitor == "val/macro_f1" and cfg.callbacks.model_checkpoint.mode == "min"
+
+
 def test_mmap_threshold_is_set_on_glibc():
     import platform
 
