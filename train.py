@@ -6,19 +6,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
+os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))  # before the package reads it
+
+from probes.train import objective, run_ddp_rank, train  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     """Runs one job; returns ``metrics[optimized_metric]``, the value a sweeper (Optuna) optimises."""
-    from probes.train import objective, train
-
     return objective(train(cfg), cfg.optimized_metric)
 
 
 if __name__ == "__main__":
-    from probes.train import run_ddp_rank
-
     if not run_ddp_rank():  # a DDP rank > 0 trains from rank 0's config, in rank 0's run folder
         main()

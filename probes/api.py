@@ -43,7 +43,8 @@ from probes.extract.stage import AttentionExtractor, make_batch, split_by_pairs
 from probes.measures import build
 from probes.model import hooks
 from probes.model.inputs import encode_words, length_batches
-from probes.model.load import HEADS, Encoder, hf_folder, load_finetuned, load_tokenizer
+from probes.glue.export import hf_folder, load_finetuned
+from probes.model.load import HEADS, Encoder, load_tokenizer
 from probes.model.load import load_encoder as load_pretrained
 
 __all__ = ["AnalysisResult", "WordMaps", "analyze", "load_encoder", "read_conllu", "read_text", "treebank",

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -123,8 +124,6 @@ def _fmt(v) -> str:
 
 def write_summary(sweep_dir: str | Path, final: bool = True) -> str:
     """Write ``summary.md`` and ``summary.csv`` in ``sweep_dir`` (under a lock beside them); the Markdown."""
-    from filelock import FileLock
-
     sweep = Path(sweep_dir)
     sweep.mkdir(parents=True, exist_ok=True)
     with FileLock(str(sweep / ".summary.lock")):
@@ -155,9 +154,11 @@ class SummaryCallback(Callback):
     """Pins the sweep folder, records each job's status, writes ``summary.md``/``summary.csv`` there."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Pin the sweep folder for every job (:func:`pin_sweep_dir`)."""
         pin_sweep_dir(config)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        """Record the job's status and rewrite the sweep's summary."""
         if config.hydra.mode != RunMode.MULTIRUN:
             return  # a single run has no sweep folder
         out = Path(config.hydra.runtime.output_dir)
@@ -169,6 +170,7 @@ class SummaryCallback(Callback):
         write_summary(config.hydra.sweep.dir, final=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write the final summary of the sweep."""
         sweep = Path(config.hydra.sweep.dir)
         md = write_summary(sweep, final=True)
         print(f"\n{sweep / 'summary.md'}:\n{md}")

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing as mp
 import os
 import resource
 from pathlib import Path
 
 import pytorch_lightning as pl
+import wandb
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from probes.io import atomic_write_text
 from probes.memory import peak_rss_mb, reset_peak_rss, set_mmap_threshold
@@ -54,8 +57,6 @@ def _share_config_with_ranks(cfg: DictConfig, trainer: pl.Trainer, out: Path) ->
     """Rank 0 of a multi-process run that Lightning launches: the resolved config for the other ranks."""
     if trainer.world_size == 1 or trainer.global_rank != 0 or os.environ.get(DDP_CONFIG_ENV):
         return None
-    from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
     if not isinstance(getattr(trainer.strategy, "launcher", None), _SubprocessScriptLauncher) or \
             trainer.strategy.cluster_environment.creates_processes_externally:
         return None  # ranks started by SLURM / torchrun, or spawned (ddp_spawn): they share this config already
@@ -69,14 +70,15 @@ def _share_config_with_ranks(cfg: DictConfig, trainer: pl.Trainer, out: Path) ->
 def _standard_process_start() -> None:
     """In a joblib worker (``hydra/launcher=joblib``) the default multiprocessing context is loky's, which
     data-loader workers cannot use: back to the platform's default start method."""
-    import multiprocessing as mp
-
     if mp.get_start_method(allow_none=True) == "loky":
         mp.set_start_method(None, force=True)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Build caches (stage 1), train the probe on them, test the best checkpoint; returns flat metrics."""
+    """Build caches (stage 1), train the probe on them, test the best checkpoint; returns flat metrics.
+
+    A probe without trainable parameters (``probe=right_branching``) is scored without fitting, as with
+    ``fit=false`` (logged): its validation and test scores, no checkpoint."""
     _standard_process_start()
     reset_peak_rss()
     set_mmap_threshold(cfg.get("malloc_mmap_threshold"))
@@ -84,6 +86,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()  # stage 1 outside the training Trainer: extract any split not cached yet
     model = instantiate(cfg.probe)
+    model.build(datamodule)  # parts sized by the data, so that `trainable` sees every parameter
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
@@ -102,7 +105,11 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
-    if cfg.fit:
+    fit = cfg.fit
+    if fit and not model.trainable():
+        log.info("%s has no trainable parameters: scored without fitting (as with fit=false)", cfg.probe._target_)
+        fit = False
+    if fit:
         trainer.fit(model, datamodule=datamodule)
         ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None
         metrics = _floats(trainer.callback_metrics)
@@ -130,8 +137,6 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
             lg.log_table(key="results", columns=["metric", "value"], data=rows)
     log.info("metrics: %s", json.dumps(metrics, sort_keys=True))
     if loggers and hasattr(loggers[0], "experiment"):
-        import wandb
-
         wandb.finish()
     return metrics
 

@@ -10,7 +10,7 @@ import sys
 from torch.utils.data import DistributedSampler
 
 from probes.data.conllu import read_conllu
-from probes.dependency.datamodule import LengthBatchSampler
+from probes.training.datamodule import LengthBatchSampler
 from probes.train import train
 from tests.conftest import ROOT, WORDS, chain_overrides, compose_train
 

@@ -261,9 +261,10 @@ def test_analysis_against_slow_loop(fn_data, tmp_path):
     assert summary["models"]["pre-trained"]["n_links"] == 6 and summary["n_sentences_read"] == 3
 
     # a "fine-tuned" model: the same weights exported as an MRPC classifier folder -> the same scores
+    from probes.glue.export import export_hf
     from probes.glue.module import SequenceClassifier
 
-    SequenceClassifier(ctx.encoder, task="mrpc").export_hf(tmp_path / "ft")
+    export_hf(SequenceClassifier(ctx.encoder, task="mrpc"), tmp_path / "ft")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="analyze", overrides=[
             "analysis=framenet_heads", "encoder=tiny", f"paths.data_dir={fn_data}",

@@ -231,8 +231,9 @@ def test_mnli_and_qqp_metrics():
 
 def test_mnli_experiment_selects_on_matched_and_tests_on_mismatched(tmp_path):
     """`experiment=glue_mnli` (tiny BERT, 1 epoch): val/acc is dev_matched, test/acc dev_mismatched."""
-    from probes.glue.evaluate import logits_and_labels, make_batches
-    from probes.model.load import load_finetuned
+    from probes.glue.evaluate import make_batches
+    from probes.glue.export import load_finetuned
+    from tests.glue_helpers import logits_and_labels
     from probes.train import train
     from tests.conftest import compose_train
 

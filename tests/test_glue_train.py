@@ -12,11 +12,12 @@ from hydra.utils import instantiate
 
 from probes.analysis.context import AnalysisContext
 from probes.analysis.kovaleva.finetune_cosine import attention_cosine
+from probes.glue.evaluate import make_batches
+from probes.glue.export import load_finetuned
 from probes.model.load import tiny_bert
-from probes.glue.evaluate import logits_and_labels, make_batches
-from probes.model.load import load_finetuned
 from probes.train import train
 from tests.conftest import ROOT, compose_train
+from tests.glue_helpers import logits_and_labels
 
 WORDS = "the a cat dog saw liked house runs quickly big small red and of to in".split()
 

@@ -16,8 +16,8 @@ from probes.analysis.kovaleva.head_importance import (evaluate, head_importance,
                                                       pruning_curve, removal_orders, task_loss)
 from probes.data.glue import read_glue
 from probes.glue.evaluate import MODEL_KEYS, make_batches
+from probes.glue.export import load_finetuned
 from probes.model import hooks
-from probes.model.load import load_finetuned
 from probes.train import train
 from tests.conftest import ROOT, compose_train
 

@@ -158,14 +158,14 @@ def test_packaged_encoder_has_no_mlm_head():
 
 @pytest.mark.parametrize("family,pooling", [("distilbert", "cls"), ("roberta", "pooler")])
 def test_finetuned_encoder_plus_head_loads_with_its_logits(family, pooling, tmp_path):
+    from probes.glue.export import export_hf, load_finetuned
     from probes.glue.module import SequenceClassifier
-    from probes.model.load import load_finetuned
 
     enc = tiny_encoder(family)
     module = SequenceClassifier(enc, task="mrpc", pooling=pooling).eval()
     with torch.no_grad():
         module.head.weight.normal_()
-    module.export_hf(tmp_path / "hf_model")
+    export_hf(module, tmp_path / "hf_model")
     ft = load_finetuned(tmp_path, task="mrpc", reference_tokenizer=enc.tokenizer)  # the run folder
     batch = _batch(enc)
     with torch.no_grad():

@@ -182,7 +182,7 @@ def test_held_out_variant_writes_checkpoint_and_per_class(tmp_path):
 
 
 def test_stratified_folds_cover_every_id_once():
-    from probes.patterns.crossval import stratified_folds
+    from probes.patterns.datamodule import stratified_folds
 
     labels = _labels_like_real()
     folds = stratified_folds(labels, 5, seed=0)

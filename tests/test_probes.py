@@ -1,9 +1,13 @@
+import pytest
 import torch
+from torchmetrics import MaxMetric, MinMetric
 
-from probes.dependency.datamodule import collate
-from probes.dependency.metrics import UAS
 from probes.dependency.components.scorers import (AttentionGlove, AttentionOnly, DistanceGlove, RightBranching,
                                                  distance_features)
+from probes.dependency.datamodule import collate
+from probes.dependency.metrics import UAS
+from probes.dependency.module import DependencyProbe
+from probes.training.module import NonFiniteLossError
 
 
 def item(n, K=(2, 3), heads=None, seed=0):
@@ -79,3 +83,35 @@ def test_distance_features_match_definition():
     assert torch.isclose(f[0, 3, 0], torch.tensor(2 / 3))  # word 3 is 2 ahead of word 1, / length
     assert torch.isclose(f[2, 1, 1], torch.tensor(2 / 3))  # word 1 is 2 behind word 3
     assert f[1, 2, 2] == 1 and f[1, 3, 3] == 1 and f[1, 1, 4] == 1  # offsets 0, +1, -1
+
+
+def test_monitor_and_mode_come_from_the_arguments():
+    probe = DependencyProbe(scorer=AttentionOnly, monitor="val/uas_nopunct", mode="min")
+    assert isinstance(probe.val_best, MinMetric) and probe.hparams.monitor == "val/uas_nopunct"
+    assert isinstance(DependencyProbe(scorer=AttentionOnly).val_best, MaxMetric)
+    with pytest.raises(ValueError, match=r"probe.monitor.*\['val/uas', 'val/uas_nopunct'\]"):
+        DependencyProbe(scorer=AttentionOnly, monitor="val/las")
+    with pytest.raises(ValueError, match="probe.mode"):
+        DependencyProbe(scorer=AttentionOnly, mode="maximum")
+
+
+def test_parameter_free_scorer_is_not_trainable():
+    batch = collate([item(4, seed=1)])
+    for scorer, trainable in ((RightBranching, False), (AttentionOnly, True)):
+        probe = DependencyProbe(scorer=scorer)
+        probe.scorer = scorer(num_maps=6)
+        assert probe.trainable() == trainable
+        probe.register_buffer("vectors", torch.zeros(1, 1), persistent=False)
+        assert probe(batch).shape == (1, 4, 5)
+
+
+def test_non_finite_loss_names_the_batch():
+    probe = DependencyProbe(scorer=AttentionOnly)
+    probe.scorer = AttentionOnly(num_maps=6)
+    probe.register_buffer("vectors", torch.zeros(1, 1), persistent=False)
+    batch = collate([item(5, seed=3), item(3, seed=8)])
+    assert torch.isfinite(probe.training_step(batch, 7))
+    with torch.no_grad():
+        probe.scorer.weights[2] = float("nan")
+    with pytest.raises(NonFiniteLossError, match=r"train loss is nan in epoch 0, batch 7 \(sentences \[3, 8\]\)"):
+        probe.training_step(batch, 7)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from probes.data.conllu import read_conllu
 from probes.train import train
@@ -20,6 +21,8 @@ def test_train_writes_metrics_and_predictions(probe, chain_data, tmp_path):
     assert {"commit", "machine", "command"} <= set(prov) and prov["machine"]
     for k in ("val/uas", "val/uas_best", "test/uas", "test/uas_nopunct", "train/loss"):
         assert 0.0 <= saved[k] <= (1.0 if "uas" in k else 100.0), k
+    hp = torch.load(saved["best_checkpoint"], map_location="cpu", weights_only=False)["hyper_parameters"]
+    assert hp["monitor"] == "val/uas" and hp["mode"] == "max" and "scorer" not in hp  # save_hyperparameters
     pred = read_conllu(tmp_path / "out" / "predictions" / "test.conllu")
     gold = read_conllu(chain_data / "chain" / "chain-test.conllu")
     assert [s.words for s in pred] == [s.words for s in gold]
@@ -57,6 +60,47 @@ def test_multirun_over_probes(chain_data, tmp_path):
         cells = [c.strip() for c in line.strip("| ").split(" | ")]
         assert all(c != "-" for c in cells[1:-1]), line
     assert (tmp_path / "sweep" / "summary.csv").read_text().startswith("job,")
+
+
+def test_smoke_sweep_scores_the_untrained_probe_without_fit_false(chain_data, tmp_path):
+    """`python train.py -m experiment=smoke probe=attn_only,right_branching`: the parameter-free row is scored
+    without fitting (no `fit=false` needed), the trained row is fitted; both rows get their metrics."""
+    over = [o for o in chain_overrides(chain_data, tmp_path) if not o.startswith("paths.output_dir")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
+    sweep = tmp_path / "sweep"
+    r = subprocess.run([sys.executable, "train.py", "-m", "experiment=smoke", "probe=attn_only,right_branching",
+                        "data.extract_in_child=false", f"hydra.sweep.dir={sweep}", *over], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    trained = json.loads((sweep / "0_attn_only_tiny" / "metrics.json").read_text())
+    untrained = json.loads((sweep / "1_right_branching_tiny" / "metrics.json").read_text())
+    assert trained["best_checkpoint"].endswith(".ckpt") and 0.0 <= trained["test/uas"] <= 1.0
+    assert trained["val/uas_best"] >= trained["val/uas"] - 1e-9 and "train/loss" in trained
+    # chain heads point to the previous word, right-branching to the next one (the root only for n = 1): 0 right
+    assert untrained["test/uas"] == 0.0 and untrained["val/uas"] == 0.0 and untrained["val/uas_best"] == 0.0
+    assert "best_checkpoint" not in untrained and "train/loss" not in untrained
+    assert "no trainable parameters: scored without fitting" in (sweep / "1_right_branching_tiny" / "train.log").read_text()
+    md = (sweep / "summary.md").read_text().splitlines()
+    head = [c.strip() for c in md[0].strip("| ").split(" | ")]
+    rows = {r["job"]: r for r in (dict(zip(head, (c.strip() for c in line.strip("| ").split(" | ")))) for line in md[2:])}
+    assert set(rows) == {"probe=attn_only", "probe=right_branching"}
+    assert rows["probe=right_branching"]["status"] == "ok" and rows["probe=right_branching"]["test/uas"] == "0.0"
+    assert rows["probe=attn_only"]["status"] == "ok" and rows["probe=attn_only"]["test/uas"] == f"{100 * trained['test/uas']:.1f}"
+
+
+def test_checkpoint_callbacks_read_the_probes_monitor():
+    """One key per probe config: the module's tracked best and the kept checkpoint follow ``probe.monitor``."""
+    for experiment, monitor in (("table3_attn_glove", "val/uas"), ("table3_hidden_directed", "val/uas"),
+                                ("table3_structural", "val/uuas"), ("structural_depth", "val/root_acc"),
+                                ("glue_cola", "val/mcc")):
+        cfg = compose_train([f"experiment={experiment}", "logger=none", "paths.output_dir=/tmp/x"])
+        assert cfg.probe.monitor == monitor and cfg.probe.mode == "max", experiment
+        ckpt = cfg.callbacks.model_checkpoint
+        assert (ckpt.monitor, ckpt.mode) == (monitor, "max"), experiment
+        assert cfg.optimized_metric == f"{monitor}_best", experiment
+    cfg = compose_train(["experiment=patterns", "logger=none", "paths.output_dir=/tmp/x", "probe.mode=min"])
+    assert cfg.callbacks.model_checkpoint.monitor is None  # no validation split: the last epoch is kept
+    assert cfg.probe.monitor == "val/macro_f1" and cfg.callbacks.model_checkpoint.mode == "min"
 
 
 def test_mmap_threshold_is_set_on_glibc():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 
 from probes.data.conllu import write_conllu_with_heads
 
@@ -25,8 +26,6 @@ class ConlluPredictionWriter(pl.Callback):
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if trainer.world_size > 1:  # DDP: each rank scored its own sentences; rank 0 writes them all
-            import torch.distributed as dist
-
             parts = [None] * trainer.world_size
             dist.all_gather_object(parts, self.preds)
             self.preds = {i: p for part in parts for i, p in part.items()}

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytorch_lightning as pl
 import torch
+
+from probes.glue.export import export_hf
+from probes.io import atomic_write
 
 log = logging.getLogger(__name__)
 
 
 class HFExport(pl.Callback):
     """At the end of fit, save the best checkpoint's weights (or the final ones when there is no
-    checkpoint) as a Hugging Face `*ForSequenceClassification` folder via `SequenceClassifier.export_hf`."""
+    checkpoint) as a Hugging Face `*ForSequenceClassification` folder (:func:`probes.glue.export.export_hf`)."""
 
     def __init__(self, dirpath: str, use_best: bool = True):
         self.dirpath, self.use_best = Path(dirpath), use_best
@@ -26,7 +31,7 @@ class HFExport(pl.Callback):
         if self.use_best and ckpt:
             state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
             log.info("exporting the best checkpoint %s", ckpt)
-        pl_module.export_hf(self.dirpath, state_dict=state)
+        export_hf(pl_module, self.dirpath, state_dict=state)
 
 
 class ProgressLog(pl.Callback):
@@ -39,13 +44,9 @@ class ProgressLog(pl.Callback):
         self.t0 = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        import time
-
         self.t0 = time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        import time
-
         step = trainer.global_step
         if step % self.every or self.t0 is None:
             return
@@ -96,10 +97,6 @@ class GradNormLog(pl.Callback):
                                   mean=float(col.mean()), std=float(col.std()) if len(col) > 1 else 0.0,
                                   max=float(col.max())))
         if trainer.global_rank == 0:
-            import pandas as pd
-
-            from probes.io import atomic_write
-
             df = pd.DataFrame(self.rows)
             atomic_write(self.path, lambda tmp: df.to_csv(tmp, index=False))
             log.info("gradient norms of epoch %d -> %s", trainer.current_epoch, self.path)

@@ -92,6 +92,8 @@ class GlueDataModule(pl.LightningDataModule):
                     raise FileNotFoundError(missing_file_message(self.task, split, p))
 
     def examples(self, split: str) -> list[GlueExample]:
+        """The examples of ``split``: train as a seeded random subset of ``max_train_examples``, the others
+        cut to the first ``max_eval_examples``."""
         ex = read_glue(self.task, split, self.data_dir)
         if split == "train":
             self.n_train_available = len(ex)
@@ -132,6 +134,7 @@ class GlueDataModule(pl.LightningDataModule):
                           collate_fn=self.collate, num_workers=self.num_workers)
 
     def summary(self) -> dict[str, float]:
+        """Examples per split and truncated dev examples, reported in ``metrics.json``."""
         out = {}
         if self.train_features is not None:
             out["data/n_train"] = float(len(self.train_features))

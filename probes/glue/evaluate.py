@@ -1,4 +1,4 @@
-"""Scoring helpers for analyses of fine-tuned GLUE models: length-sorted dev batches, logits."""
+"""Batches for analyses of fine-tuned GLUE models: length-sorted, padded dev batches and the model inputs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import torch
 
 from probes.data.glue import GlueExample, task_spec
 from probes.glue.datamodule import Collator, tokenize
-from probes.model.hooks import model_inputs
 
 
 def make_batches(tokenizer, examples: list[GlueExample], task: str, max_length: int = 128,
@@ -19,15 +18,5 @@ def make_batches(tokenizer, examples: list[GlueExample], task: str, max_length: 
     return [collate(feats[i:i + batch_size]) for i in range(0, len(feats), batch_size)]
 
 
-MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # the batch keys a model takes
 
-
-@torch.inference_mode()
-def logits_and_labels(model, batches, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, num_labels) logits of a *ForSequenceClassification model and (N,) labels, in batch order."""
-    outs, labels = [], []
-    for b in batches:
-        out = model(**model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b}))
-        outs.append(out.logits.float().cpu())
-        labels.append(b["labels"])
-    return torch.cat(outs), torch.cat(labels)

@@ -1,6 +1,7 @@
-"""One loader for every model the project reads: pre-trained encoders (hub id, local folder, the
-packaged default, random weights from a config) with a base, masked-LM or sequence-classification
-head, and fine-tuned GLUE models (run folder, Hugging Face folder or Lightning checkpoint).
+"""One loader for every pre-trained encoder the project reads (hub id, local folder, the packaged
+default, random weights from a config) with a base, masked-LM or sequence-classification head.
+Fine-tuned GLUE models (run folder, Hugging Face folder or Lightning checkpoint) are read by
+:func:`probes.glue.export.load_finetuned`, beside the code that writes them.
 
 Every model comes frozen, in eval mode, on the project's attention path
 (``attn_implementation="probes"``, :mod:`probes.model.hooks`), which computes eager attention.
@@ -11,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,10 +30,6 @@ class MissingHeadError(RuntimeError):
     """The checkpoint lacks the requested head, so its weights would be drawn at random."""
 
 
-# Kept under its earlier name: grad_sep's error for an encoder without a masked-LM head.
-MissingMLMHeadError = MissingHeadError
-
-
 class Encoder:
     """A frozen encoder: config, tokenizer, a fingerprint of its weights; weights load on first use.
 
@@ -46,7 +42,7 @@ class Encoder:
         self._model = model if isinstance(model, torch.nn.Module) else None
         self._load = None if self._model is not None else model
         if self._model is not None:
-            _freeze(self._model)
+            freeze(self._model)
         self.config = config if config is not None else self._model.config
         self.tokenizer, self.name, self.fingerprint, self.head = tokenizer, name, fingerprint, head
         self.family = family(self.config)
@@ -54,7 +50,7 @@ class Encoder:
     @property
     def model(self) -> torch.nn.Module:
         if self._model is None:
-            self._model = _freeze(self._load())
+            self._model = freeze(self._load())
         return self._model
 
     @property
@@ -85,7 +81,8 @@ class Encoder:
         return self.family.max_length
 
 
-def _freeze(model: torch.nn.Module) -> torch.nn.Module:
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in eval mode, without gradients, on the project's attention path (:func:`hooks.prepare`)."""
     model.eval()
     model.requires_grad_(False)
     return hooks.prepare(model)
@@ -243,119 +240,6 @@ def random_bert(
                         max_position_embeddings, tokenizer.vocab_size])
     fp = hashlib.sha256(f"{shape}-{seed}-{head == 'mlm'}".encode()).hexdigest()[:12]
     return Encoder(build, tokenizer, f"{prefix}-{fp}", f"random-{fp}", config, head)
-
-
-# ----------------------------------------------------------------------------- fine-tuned models
-EXPORT_INFO = "glue_task.json"
-
-
-@dataclass
-class FineTuned:
-    """A fine-tuned sequence classifier (eval mode, project attention path) and what it was tuned on."""
-
-    model: torch.nn.Module      # *ForSequenceClassification
-    tokenizer: object
-    task: str | None
-    path: str
-
-    @property
-    def base(self) -> torch.nn.Module:
-        return self.model.base_model
-
-
-def hf_folder(path: str | Path) -> Path | None:
-    """``path`` itself if it is a Hugging Face model folder, ``path/hf_model`` for a GLUE run folder."""
-    p = Path(path).expanduser()
-    if p.is_dir() and (p / "config.json").exists():
-        return p
-    if p.is_dir() and (p / "hf_model" / "config.json").exists():
-        return p / "hf_model"
-    return None
-
-
-def load_finetuned(checkpoint: str | Path, encoder: Encoder | None = None, task: str | None = None,
-                   reference_tokenizer=None) -> FineTuned:
-    """A fine-tuned model from a GLUE run folder, its ``hf_model`` folder, or a Lightning ``.ckpt``
-    (rebuilt on ``encoder``'s architecture). ``task`` checks the saved task; ``reference_tokenizer``
-    (e.g. the pre-trained encoder's) must have the same vocabulary, so the maps are comparable."""
-    p = Path(checkpoint).expanduser()
-    folder = hf_folder(p)
-    if folder is not None:
-        from transformers import AutoConfig
-
-        info = json.loads((folder / EXPORT_INFO).read_text()) if (folder / EXPORT_INFO).exists() else {}
-        saved_task = info.get("task") or getattr(AutoConfig.from_pretrained(str(folder)), "finetuning_task", None)
-        model, tokenizer = _load_classifier(folder)
-        path = str(folder)
-    elif p.is_file() and p.suffix == ".ckpt":
-        if encoder is None:
-            raise ValueError(f"{p}: a Lightning checkpoint needs the encoder it was trained from")
-        from probes.glue.module import SequenceClassifier
-
-        ckpt = torch.load(p, map_location="cpu", weights_only=False)
-        hp = dict(ckpt.get("hyper_parameters") or {})
-        saved_task = hp.get("task")
-        module = SequenceClassifier(encoder, **hp)
-        module.load_state_dict(ckpt["state_dict"])
-        model, tokenizer, path = module.to_hf(), encoder.tokenizer, str(p)
-    else:
-        raise FileNotFoundError(f"fine-tuned model not found: {p} is neither a Hugging Face folder (config.json), "
-                                f"a GLUE run folder holding hf_model/, nor a Lightning .ckpt file")
-    if task is not None and saved_task is not None:
-        from probes.data.glue import task_spec
-
-        if task_spec(task).name != task_spec(saved_task).name:
-            raise ValueError(f"{p} was fine-tuned on {saved_task}, not {task}")
-    if reference_tokenizer is not None and tokenizer.get_vocab() != reference_tokenizer.get_vocab():
-        raise ValueError(f"{p}: tokenizer vocabulary differs from the encoder's; the maps would not be comparable")
-    _freeze(model)
-    return FineTuned(model, tokenizer, task or saved_task, path)
-
-
-class EncoderWithHead(torch.nn.Module):
-    """A fine-tuned encoder saved as a bare encoder plus ``head.pt`` (families whose transformers
-    classification head differs from pooler -> dropout -> Linear): same logits as the trained module."""
-
-    def __init__(self, encoder: torch.nn.Module, head: torch.nn.Linear, pooling: str):
-        super().__init__()
-        if pooling not in ("pooler", "cls"):
-            raise ValueError(f"pooling must be 'pooler' or 'cls', got {pooling!r}")
-        self.encoder, self.head, self.pooling = encoder, head, pooling
-        self.config = encoder.config
-
-    @property
-    def base_model(self) -> torch.nn.Module:
-        return self.encoder
-
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None):
-        """(B, T) inputs -> output with ``.logits`` (B, num_labels)."""
-        from transformers.modeling_outputs import SequenceClassifierOutput
-
-        out = self.encoder(**hooks.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
-                                                token_type_ids=token_type_ids, inputs_embeds=inputs_embeds))
-        pooled = out.pooler_output if self.pooling == "pooler" else out.last_hidden_state[:, 0]  # (B, D)
-        return SequenceClassifierOutput(logits=self.head(pooled))
-
-
-def _load_classifier(folder: Path):
-    """(model, tokenizer) of a saved folder: a *ForSequenceClassification, or an encoder + ``head.pt``."""
-    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
-
-    hooks.register()
-    cfg = AutoConfig.from_pretrained(str(folder))
-    archs = cfg.architectures or []
-    if any("SequenceClassification" in a for a in archs):
-        model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
-    elif (folder / "head.pt").exists():
-        state = torch.load(folder / "head.pt", map_location="cpu")
-        head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
-        head.load_state_dict(state)
-        info = json.loads((folder / EXPORT_INFO).read_text()) if (folder / EXPORT_INFO).exists() else {}
-        encoder = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
-        model = EncoderWithHead(encoder, head, info.get("pooling", "cls"))
-    else:
-        model = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
-    return model, load_tokenizer(str(folder))
 
 
 def tiny_bert(num_hidden_layers: int = 2, num_attention_heads: int = 4, hidden_size: int = 32,

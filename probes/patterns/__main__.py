@@ -4,12 +4,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import time
 from collections import Counter
+from pathlib import Path
+
+import torch
+
+from probes.patterns.classify import classify_file
+from probes.patterns.crossval import compose, cross_validate
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand (``classify`` or ``crossval``); returns the exit status (2 on a bad input)."""
     parser = argparse.ArgumentParser(prog="python -m probes.patterns",
                                      description="Attention-map pattern types (Kovaleva et al. 2019 §3).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,9 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "crossval":
         return _crossval(args)
-
-    from probes.patterns.classify import classify_file
-
     try:
         result = classify_file(args.checkpoint, args.maps, args.out, args.device, args.batch_size)
     except (FileNotFoundError, ValueError) as e:
@@ -46,17 +52,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _crossval(args) -> int:
-    import json
-    import time
-    from pathlib import Path
-
-    from probes.patterns.crossval import compose, cross_validate
-
     out = Path(args.out or Path("logs") / "patterns_cv" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     logging.getLogger("probes").setLevel(logging.INFO)
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     try:
         cfg = compose(args.overrides, out)

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from probes.io import atomic_write_text
-
 from probes.patterns.components.cnn import check_map
+from probes.patterns.module import load_classifier
 
 
 def read_maps(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -45,8 +45,7 @@ def read_maps(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def classify_file(checkpoint: str | os.PathLike, maps: str | os.PathLike, out: str | os.PathLike,
                   device: str = "cpu", batch_size: int = 512) -> dict[str, str]:
-    from probes.patterns.module import load_classifier
-
+    """Classify every map of ``maps`` with the CNN of ``checkpoint``; writes and returns {map id: label}."""
     arrays = read_maps(maps)  # validate before loading the model
     model = load_classifier(checkpoint, device)
     keys = list(arrays)

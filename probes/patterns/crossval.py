@@ -3,7 +3,8 @@
 ``python -m probes.patterns crossval [--folds 5] [--repeats 1] [--out DIR] [hydra overrides ...]`` composes
 ``conf/train.yaml`` with ``experiment=patterns`` (the recipe of the released checkpoint: same CNN,
 optimizer, schedule, epochs, augmentation) plus the overrides. For each repeat r and fold i the labelled
-maps are dealt into ``folds`` stratified folds (:func:`stratified_folds`, seed = ``seed + r``); a fresh CNN
+maps are dealt into ``folds`` stratified folds (:func:`probes.patterns.datamodule.stratified_folds`, seed
+= ``seed + r``); a fresh CNN
 (seed ``seed + r``) is trained on the other folds for the config's ``trainer.max_epochs`` (no validation
 split, no epoch selection: nothing is chosen on the held-out fold) and predicts fold i. Every map is
 predicted once per repeat, by a model that never saw it.
@@ -22,40 +23,24 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import pytorch_lightning as pl
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
+from probes.config import compose as compose_config
 from probes.io import atomic_write, atomic_write_text
+from probes.patterns.datamodule import read_patterns, stratified_folds
 
 log = logging.getLogger(__name__)
 
 Z95 = 1.959963984540054
-
-
-def stratified_folds(labels: dict[str, str], k: int, seed: int = 0) -> list[list[str]]:
-    """``k`` disjoint folds covering every id; per class the ids (sorted) are shuffled with ``seed`` and
-    dealt round-robin, continuing where the previous class stopped (fold sizes differ by at most 1)."""
-    from probes.patterns.datamodule import _id_key
-
-    if k < 2:
-        raise ValueError(f"folds must be >= 2, got {k}")
-    rng = random.Random(seed)
-    folds: list[list[str]] = [[] for _ in range(k)]
-    by_label: dict[str, list[str]] = {}
-    for key in sorted(labels, key=_id_key):
-        by_label.setdefault(labels[key], []).append(key)
-    start = 0
-    for lab in sorted(by_label):
-        ids = by_label[lab]
-        rng.shuffle(ids)
-        for j, key in enumerate(ids):
-            folds[(start + j) % k].append(key)
-        start = (start + len(ids)) % k
-    return [sorted(f, key=_id_key) for f in folds]
 
 
 def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -112,9 +97,7 @@ def bootstrap(gold: np.ndarray, pred: np.ndarray, n_classes: int, n_boot: int = 
 
 def report(gold: np.ndarray, pred: np.ndarray, classes: Sequence[str], n_boot: int = 2000, seed: int = 0,
            min_support: int = 5):
-    """(per-class DataFrame with intervals, summary dict) of out-of-fold predictions."""
-    import pandas as pd
-
+    """(per-class DataFrame with intervals, summary dict, confusion matrix) of out-of-fold predictions."""
     C = len(classes)
     cm = confusion(gold, pred, C)
     s = scores_from_confusion(cm, min_support)
@@ -184,13 +167,6 @@ def block_rule(maps: dict[str, np.ndarray], labels: dict[str, str], meta: dict[s
 def cross_validate(cfg, out_dir: str | Path, folds: int = 5, repeats: int = 1, n_boot: int = 2000,
                    min_support: int = 5, progress: bool = True) -> dict:
     """Run the cross-validation for a composed ``experiment=patterns`` config; writes the report files."""
-    import pandas as pd
-    import pytorch_lightning as pl
-    from hydra.utils import instantiate
-    from tqdm.auto import tqdm
-
-    from probes.patterns.datamodule import read_patterns
-
     t0 = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,14 +210,6 @@ def cross_validate(cfg, out_dir: str | Path, folds: int = 5, repeats: int = 1, n
     return summary
 
 
-def compose(overrides: Sequence[str], out_dir: str | Path):
+def compose(overrides: Sequence[str], out_dir: str | Path) -> DictConfig:
     """``conf/train.yaml`` + ``experiment=patterns`` + overrides, with ``paths.output_dir=out_dir``."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    import os
-
-    root = Path(__file__).resolve().parents[2]
-    os.environ.setdefault("PROJECT_ROOT", str(root))
-    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=["experiment=patterns", "logger=none",
-                                                             f"paths.output_dir={out_dir}", *overrides])
+    return compose_config("train", ["experiment=patterns", "logger=none", f"paths.output_dir={out_dir}", *overrides])

@@ -6,8 +6,8 @@ share of a class is rounded, and a class with at least 3 maps gets at least one 
 test (the 4 ``block`` maps: 2 / 1 / 1). The three id sets are disjoint and cover every labelled map.
 
 Cross-validation (``folds=k``, ``fold=i``; :mod:`probes.patterns.crossval`): test = fold i of
-:func:`probes.patterns.crossval.stratified_folds` (seeded with ``seed``), train = the other folds, no
-validation split. ``fractions: [1, 0, 0]`` puts every map in train (the released checkpoint).
+:func:`stratified_folds` (seeded with ``seed``), train = the other folds, no validation split.
+``fractions: [1, 0, 0]`` puts every map in train (the released checkpoint).
 
 Augmentation (train only, ``augment: true``): with probability 0.5 the token order is reversed
 (``A[::-1, ::-1]``). That keeps every pattern type: a column stays a column, the main diagonal
@@ -87,6 +87,26 @@ def stratified_split(labels: dict[str, str], fractions: Sequence[float] = (0.6, 
     return {s: sorted(v, key=_id_key) for s, v in out.items()}
 
 
+def stratified_folds(labels: dict[str, str], k: int, seed: int = 0) -> list[list[str]]:
+    """``k`` disjoint folds covering every id; per class the ids (sorted) are shuffled with ``seed`` and
+    dealt round-robin, continuing where the previous class stopped (fold sizes differ by at most 1)."""
+    if k < 2:
+        raise ValueError(f"folds must be >= 2, got {k}")
+    rng = random.Random(seed)
+    folds: list[list[str]] = [[] for _ in range(k)]
+    by_label: dict[str, list[str]] = {}
+    for key in sorted(labels, key=_id_key):
+        by_label.setdefault(labels[key], []).append(key)
+    start = 0
+    for lab in sorted(by_label):
+        ids = by_label[lab]
+        rng.shuffle(ids)
+        for j, key in enumerate(ids):
+            folds[(start + j) % k].append(key)
+        start = (start + len(ids)) % k
+    return [sorted(f, key=_id_key) for f in folds]
+
+
 class _MapDataset(Dataset):
     """``x``: preprocessed maps (C, size, size); ``x_rev`` (train with augmentation): the same maps with the
     token order reversed, preprocessed once up front (the map is drawn reversed with p = 0.5)."""
@@ -104,6 +124,9 @@ class _MapDataset(Dataset):
 
 
 class PatternDataModule(pl.LightningDataModule):
+    """The labelled maps, preprocessed once, split stratified (or into cross-validation folds); see the module
+    docstring and ``conf/data/patterns.yaml`` (size, resize and channels come from the probe's config)."""
+
     def __init__(self, data_dir: str, classes: Sequence[str] = CLASSES, size: int = 32, resize: str = "area",
                  channels: Sequence[str] = ("max",), fractions: Sequence[float] = (0.6, 0.2, 0.2), seed: int = 0,
                  batch_size: int = 32, augment: bool = True, num_workers: int = 0, folds: int | None = None,
@@ -141,8 +164,6 @@ class PatternDataModule(pl.LightningDataModule):
         if self.folds is None:
             self.split_ids = stratified_split(labels, self.fractions, self.seed)
         else:
-            from probes.patterns.crossval import stratified_folds
-
             parts = stratified_folds(labels, self.folds, self.seed)
             test = parts[self.fold]
             train = sorted((k for j, f in enumerate(parts) if j != self.fold for k in f), key=_id_key)
@@ -163,6 +184,7 @@ class PatternDataModule(pl.LightningDataModule):
         log.info("attention patterns: %s", {s: dict(Counter(labels[k] for k in self.split_ids[s])) for s in SPLITS})
 
     def summary(self) -> dict[str, float]:
+        """Maps per split (``data/n_train`` ...), reported in ``metrics.json``."""
         if not self.split_ids:
             return {}
         return {f"data/n_{s}": float(len(v)) for s, v in self.split_ids.items()}

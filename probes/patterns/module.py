@@ -11,7 +11,9 @@ weight decay 1e-2 on weights with 2+ dimensions, none on biases and BatchNorm; c
 over all optimizer steps, ``T_max`` filled in by the module; ``scheduler: null`` keeps the lr constant).
 
 Metrics (torchmetrics, one set per split): ``<split>/acc`` (micro accuracy), ``<split>/macro_f1``;
-``val/macro_f1_best`` (the best epoch so far; the checkpoint callback monitors ``val/macro_f1``).
+``val/macro_f1_best`` (the best epoch so far of the monitor, ``probe.monitor: val/macro_f1``, which a
+checkpoint callback with a validation split keeps); conventions shared with every trainable module:
+:class:`probes.training.module.ProbeModule`.
 Test also logs per-class ``test/precision_<class>``, ``test/recall_<class>``, ``test/f1_<class>``,
 ``test/support_<class>`` and writes into ``report_dir`` (default: the trainer's
 ``default_root_dir`` = the run folder): ``per_class.csv`` (class, precision, recall, f1, support,
@@ -21,53 +23,66 @@ plus a ``macro`` and an ``accuracy`` row), ``confusion.csv`` (rows = gold, colum
 
 from __future__ import annotations
 
-import logging
 import inspect
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import pytorch_lightning as pl
+import pandas as pd
 import torch
 import torch.nn.functional as F
-from torchmetrics import MaxMetric, MetricCollection
+from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import (MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score,
                                          MulticlassPrecision, MulticlassRecall)
 
+from probes.io import atomic_write
 from probes.patterns.components.cnn import CLASSES, PatternCNN, preprocess_many
+from probes.training.module import SPLITS, ProbeModule
 
 log = logging.getLogger(__name__)
 
 
-def _split_metrics(n: int) -> MetricCollection:
-    return MetricCollection({"acc": MulticlassAccuracy(n, average="micro"),
-                             "macro_f1": MulticlassF1Score(n, average="macro")})
+def _split_metrics(n: int) -> dict[str, Metric]:
+    return {"acc": MulticlassAccuracy(n, average="micro"), "macro_f1": MulticlassF1Score(n, average="macro")}
 
 
-class PatternClassifier(pl.LightningModule):
+class PatternClassifier(ProbeModule):
+    """The pattern CNN as a LightningModule: architecture, loss and test reports (see the module docstring).
+
+    Args:
+        classes: the class names, in the order of the CNN's outputs.
+        size, resize, channels: preprocessing of a map (``probes.patterns.components.cnn.preprocess``).
+        widths, hidden, dropout: the CNN (``PatternCNN``).
+        optimizer, scheduler, monitor, mode, scheduler_monitor: see :class:`~probes.training.module.ProbeModule`
+            (``conf/probe/pattern_cnn.yaml``).
+        class_weighting: ``none``, ``inverse`` or ``inverse_sqrt`` (of the train class counts).
+        label_smoothing: of the cross-entropy.
+        report_dir: folder of the test reports; None: the trainer's ``default_root_dir``.
+    """
+
+    scheduler_interval = "step"  # the cosine decay is defined over optimizer steps
+
     def __init__(self, classes: Sequence[str] = CLASSES, size: int = 32, resize: str = "area",
                  channels: Sequence[str] = ("max",), widths: Sequence[int] = (16, 32, 64), hidden: int = 64,
                  dropout: float = 0.3, optimizer: Callable | None = None, scheduler: Callable | None = None,
                  class_weighting: str = "inverse_sqrt", label_smoothing: float = 0.0,
-                 report_dir: str | None = None):
-        super().__init__()
-        # plain lists (not ListConfig) so the checkpoint loads with torch.load(weights_only=True)
+                 report_dir: str | None = None, monitor: str = "val/macro_f1", mode: str = "max",
+                 scheduler_monitor: str | None = None):
+        # plain lists (not ListConfig) so the checkpoint loads with torch.load(weights_only=True); rebound
+        # before the base class saves the hyperparameters
         classes, channels, widths = [str(c) for c in classes], [str(c) for c in channels], [int(w) for w in widths]
         report_dir = None if report_dir is None else str(report_dir)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not in the checkpoint
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        n = len(classes)
+        super().__init__(optimizer, scheduler, monitor, mode, scheduler_monitor=scheduler_monitor,
+                         metrics={s: _split_metrics(n) for s in SPLITS})
         self.classes = tuple(classes)
         self.channels = tuple(channels)
         if class_weighting not in ("none", "inverse", "inverse_sqrt"):
             raise ValueError(f"class_weighting must be none, inverse or inverse_sqrt, got {class_weighting!r}")
         self.net = PatternCNN(len(self.classes), len(self.channels), size, tuple(widths), hidden, dropout)
         self.register_buffer("class_weight", torch.ones(len(self.classes)))
-        n = len(self.classes)
-        self.train_metrics = _split_metrics(n).clone(prefix="train/")
-        self.val_metrics = _split_metrics(n).clone(prefix="val/")
-        self.test_metrics = _split_metrics(n).clone(prefix="test/")
-        self.val_best = MaxMetric()
         self.test_per_class = MetricCollection({
             "precision": MulticlassPrecision(n, average=None), "recall": MulticlassRecall(n, average=None),
             "f1": MulticlassF1Score(n, average=None)})
@@ -79,6 +94,7 @@ class PatternClassifier(pl.LightningModule):
         return self.net(x)
 
     def preprocess(self, maps: Sequence[np.ndarray]) -> torch.Tensor:
+        """(M, C, size, size) network inputs of M maps, preprocessed as in training."""
         hp = self.hparams
         return preprocess_many(maps, hp.size, hp.resize, self.channels)
 
@@ -97,6 +113,7 @@ class PatternClassifier(pl.LightningModule):
         return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
 
     def predict_labels(self, maps: Sequence[np.ndarray], batch_size: int = 512) -> list[str]:
+        """Class name of every (T, T) map (:meth:`predict_maps`)."""
         return [self.classes[i] for i in self.predict_maps(maps, batch_size)]
 
     # ------------------------------------------------------------------ training
@@ -112,52 +129,34 @@ class PatternClassifier(pl.LightningModule):
     def _loss(self, logits, y):
         return F.cross_entropy(logits, y, weight=self.class_weight, label_smoothing=self.hparams.label_smoothing)
 
-    def training_step(self, batch, batch_idx):
-        x, y, _ = batch
-        logits = self(x)
+    def step(self, batch, split: str) -> tuple[torch.Tensor, int, None]:
+        """Weighted cross-entropy (mean over maps), metric updates; on test also the per-class scores."""
+        x, y, index = batch  # (B, C, size, size), (B,), (B,)
+        logits = self(x)  # (B, classes)
         loss = self._loss(logits, y)
-        self.train_metrics.update(logits, y)
-        self.log("train/loss", loss, on_step=False, on_epoch=True, batch_size=len(y))
-        self.log_dict(self.train_metrics, on_step=False, on_epoch=True, batch_size=len(y))
-        return loss
+        getattr(self, f"{split}_metrics").update(logits, y)
+        if split == "test":
+            self.test_per_class.update(logits, y)
+            self.test_confusion.update(logits, y)
+            pred = logits.argmax(1)
+            self._test_rows += list(zip(index.tolist(), y.tolist(), pred.tolist()))
+        return loss, len(y), None
 
-    def validation_step(self, batch, batch_idx):
-        x, y, _ = batch
-        logits = self(x)
-        self.log("val/loss", self._loss(logits, y), on_epoch=True, batch_size=len(y))
-        self.val_metrics.update(logits, y)
-
-    def on_validation_epoch_end(self) -> None:
-        m = self.val_metrics.compute()
-        self.val_metrics.reset()
-        self.log_dict(m)
-        if not self.trainer.sanity_checking:
-            self.val_best.update(m["val/macro_f1"])
-        if self.val_best.update_count:  # the best epoch so far (not logged by the sanity check)
-            self.log("val/macro_f1_best", self.val_best.compute())
+    def describe_batch(self, batch) -> str:
+        """The batch's positions in the datamodule's id list."""
+        return f"maps at positions {batch[2].tolist()} of the datamodule's id list"
 
     def on_test_epoch_start(self) -> None:
         self._test_rows = []
 
-    def test_step(self, batch, batch_idx):
-        x, y, index = batch
-        logits = self(x)
-        self.log("test/loss", self._loss(logits, y), on_epoch=True, batch_size=len(y))
-        self.test_metrics.update(logits, y)
-        self.test_per_class.update(logits, y)
-        self.test_confusion.update(logits, y)
-        pred = logits.argmax(1)
-        self._test_rows += list(zip(index.tolist(), y.tolist(), pred.tolist()))
-
     def on_test_epoch_end(self) -> None:
-        import pandas as pd
-
-        m = self.test_metrics.compute()
+        """Log the test metrics and per-class scores; write ``per_class.csv``, ``confusion.csv`` and
+        ``test_predictions.csv`` into the report folder (rank 0)."""
+        m = self.log_metrics("test")
         per = {k: v.cpu().numpy() for k, v in self.test_per_class.compute().items()}
         conf = self.test_confusion.compute().cpu().numpy()
-        for c in (self.test_metrics, self.test_per_class, self.test_confusion):
+        for c in (self.test_per_class, self.test_confusion):
             c.reset()
-        self.log_dict(m)
         support = conf.sum(1)
         rows = []
         for i, name in enumerate(self.classes):
@@ -201,20 +200,12 @@ class PatternClassifier(pl.LightningModule):
             (no_decay if p.ndim < 2 else decay).append(p)
         return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
-    def configure_optimizers(self):
-        if self.optimizer_factory is None:
-            raise ValueError("PatternClassifier needs an optimizer partial to train (probe.optimizer)")
-        opt = self.optimizer_factory(params=self.param_groups())
-        if self.scheduler_factory is None:
-            return opt
-        steps = max(1, int(self.trainer.estimated_stepping_batches))
-        sched = self.scheduler_factory(optimizer=opt, T_max=steps)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    def scheduler_arguments(self) -> dict[str, int]:
+        """``T_max``: all optimizer steps of the fit (cosine decay over the whole run)."""
+        return {"T_max": max(1, int(self.trainer.estimated_stepping_batches))}
 
 
 def _write_csv(df, path: Path) -> None:
-    from probes.io import atomic_write
-
     atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from probes.analysis.plots import plt
+from probes.io import atomic_write
 
 METRICS = {"val/uuas_best": "UUAS (dev, best epoch)", "test/uuas": "UUAS (test)", "test/dspr": "DSpr. (test)",
            "val/root_acc_best": "root accuracy (dev, best epoch)", "test/root_acc": "root accuracy (test)",
@@ -56,8 +57,7 @@ def layer_figure(values: dict[str, dict[int, float]], title: str = ""):
 
 
 def main(argv: list[str] | None = None) -> Path:
-    from probes.io import atomic_write
-
+    """Draw the figure of the sweeps named in ``argv``; returns the PNG written."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sweeps", nargs="+", help="multirun folders of `python train.py -m ... 'data.layer=range(...)'`")
     p.add_argument("--out", required=True, help="PNG to write")

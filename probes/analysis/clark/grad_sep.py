@@ -56,7 +56,7 @@ from probes.model import hooks
 from probes.model.families import is_byte_level, usable_max_length
 from probes.model.inputs import Encoded, encode_texts, encode_words, length_batches, pad
 from probes.model.load import MissingHeadError
-from probes.model.load import load_finetuned
+from probes.glue.export import load_finetuned
 
 log = logging.getLogger(__name__)
 

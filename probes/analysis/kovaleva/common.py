@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from probes.data.glue import GlueExample, read_glue, task_spec
 from probes.glue.evaluate import make_batches
-from probes.model.load import FineTuned, load_finetuned
+from probes.glue.export import FineTuned, load_finetuned
 
 PRETRAINED, FINETUNED = "pre-trained", "fine-tuned"
 

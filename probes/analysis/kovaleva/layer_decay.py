@@ -33,7 +33,7 @@ from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.kovaleva.common import glue_batches, load_checkpoint
 from probes.analysis.kovaleva.finetune_cosine import attention_cosine
 from probes.model.layers import parameter_layers
-from probes.model.load import EXPORT_INFO, hf_folder
+from probes.glue.export import EXPORT_INFO, hf_folder
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 
 def root_features(batch: dict[str, torch.Tensor], root_start: torch.Tensor, root_end: torch.Tensor) -> torch.Tensor:
+    """(B, F, N) ROOT's features: ``root_start`` x attention to/from [CLS] + ``root_end`` x to/from [SEP]."""
     return root_start * batch["root_cls"] + root_end * batch["root_sep"]  # (B, F, N)
 
 

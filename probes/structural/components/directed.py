@@ -16,11 +16,10 @@ class HiddenPairMLP(nn.Module):
     """MLP(tanh, hidden) over [h_j ; h_i] for dependent j and candidate head i; ROOT is a learned vector.
 
     W [h_j ; h_i] is computed as W_dep h_j + W_cand h_i, so no (B, N, N, 2D) pair tensor is built
-    (as in ``DistanceGlove``). ``num_maps`` is unused (the datamodule has no attention maps);
-    ``word_dim`` is the hidden size.
+    (as in ``DistanceGlove``). ``word_dim`` is the hidden size (the datamodule's ``scorer_sizes()``).
     """
 
-    def __init__(self, num_maps: int | None, word_dim: int, hidden: int = 256):
+    def __init__(self, word_dim: int, hidden: int = 256):
         super().__init__()
         self.dep = nn.Linear(word_dim, hidden)
         self.cand = nn.Linear(word_dim, hidden, bias=False)
@@ -28,6 +27,7 @@ class HiddenPairMLP(nn.Module):
         self.out = nn.Linear(hidden, 1)
 
     def forward(self, batch: dict[str, torch.Tensor], vectors: torch.Tensor | None = None) -> torch.Tensor:
+        """``vectors`` is unused (hidden-state data have no word-vector table: None)."""
         h = batch["hidden"]  # (B, N, D)
         B = h.shape[0]
         cand = torch.cat([self.root.view(1, 1, -1).expand(B, 1, -1), h], 1)  # (B, N + 1, D)

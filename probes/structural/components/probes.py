@@ -17,6 +17,7 @@ class _RankProbe(nn.Module):
 
     @property
     def rank(self) -> int:
+        """k, the rank of the projection."""
         return self.proj.shape[1]
 
 

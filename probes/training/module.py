@@ -1,0 +1,172 @@
+"""The LightningModule base of the four trainable packages (dependency, structural, glue, patterns).
+
+One convention for all of them:
+
+- **Monitor** from the config (``probe.monitor``, ``probe.mode``): a validation metric, tracked over the
+  epochs as ``<monitor>_best`` (torchmetrics ``MaxMetric`` for ``mode: max``, ``MinMetric`` for ``min``;
+  sanity-check epochs and NaN values do not count). The checkpoint callbacks of ``conf/callbacks`` read the
+  same two keys.
+- **Hyperparameters**: every constructor argument is saved (``save_hyperparameters``) except the
+  optimizer and scheduler partials, the metrics and what a subclass names in ``not_hyperparameters``
+  (big objects: an encoder, a partial building the scorer).
+- **Optimizer and scheduler**: partials from the config. The optimizer gets :meth:`ProbeModule.param_groups`
+  (a group with an ``lr_scale`` key trains at the optimizer's lr times it: layer-wise learning rates); the
+  scheduler gets :meth:`ProbeModule.scheduler_arguments` (what only the module knows, e.g. the number of
+  optimizer steps) and is stepped every ``scheduler_interval``; a plateau scheduler reads
+  ``scheduler_monitor`` (default: the monitor).
+- **Metrics**: one ``MetricCollection`` per split (``train_metrics``, ``val_metrics``, ``test_metrics``),
+  updated by the subclass's :meth:`ProbeModule.step`, logged as ``<split>/<name>`` at the end of each epoch;
+  the loss as ``<split>/loss`` (train: also per step, ``train/loss_step``), averaged over the items the
+  subclass names (words, sentences, examples, maps).
+- **Sanity guard**: a NaN or infinite loss raises :class:`NonFiniteLossError` naming the split, epoch,
+  batch and its items.
+- **Models without parameters**: :meth:`ProbeModule.build` creates whatever needs sizes from the data, so
+  :meth:`ProbeModule.trainable` can tell before fitting whether there is anything to train (``probes.train``
+  scores a parameter-free probe without fitting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import pytorch_lightning as pl
+import torch
+from torchmetrics import MaxMetric, Metric, MetricCollection, MinMetric
+
+SPLITS = ("train", "val", "test")
+BEST = {"max": MaxMetric, "min": MinMetric}  # probe.mode -> the aggregator of the tracked best
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A batch gave a NaN or infinite loss (the message names the split, epoch, batch and its items)."""
+
+
+class ProbeModule(pl.LightningModule):
+    """Base of the trainable LightningModules; subclasses implement :meth:`step` (and :meth:`build`,
+    :meth:`param_groups`, :meth:`scheduler_arguments`, :meth:`describe_batch` where they need to).
+
+    Args:
+        optimizer: partial of a ``torch.optim`` optimizer (``params`` is filled in); None only for a module
+            that is never fitted.
+        scheduler: partial of an lr scheduler (``optimizer`` and :meth:`scheduler_arguments` filled in), or None.
+        monitor: the validation metric tracked as best, ``val/<name>`` of ``metrics["val"]``.
+        mode: ``max`` or ``min``: which direction of ``monitor`` is better.
+        metrics: per split (``train``, ``val``, ``test``) the torchmetrics to update, by name (logged as
+            ``<split>/<name>``); a split may have none.
+        scheduler_monitor: what a ``ReduceLROnPlateau`` scheduler reads; None: ``monitor``.
+    """
+
+    not_hyperparameters: tuple[str, ...] = ()  # constructor arguments not saved with the hyperparameters
+    scheduler_interval: str = "epoch"  # "epoch" or "step": when Lightning steps the scheduler
+
+    def __init__(self, optimizer: Callable | None, scheduler: Callable | None, monitor: str, mode: str,
+                 metrics: Mapping[str, Mapping[str, Metric]], scheduler_monitor: str | None = None):
+        super().__init__()
+        # collects the arguments of every __init__ up the subclass chain (Lightning reads their frames)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "metrics", *self.not_hyperparameters])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        if sorted(metrics) != sorted(SPLITS):
+            raise ValueError(f"{type(self).__name__}: metrics must have the splits {list(SPLITS)}, got {sorted(metrics)}")
+        self.train_metrics, self.val_metrics, self.test_metrics = (
+            MetricCollection(dict(metrics[s]), prefix=f"{s}/") for s in SPLITS)
+        names = [f"val/{k}" for k in metrics["val"]]
+        if monitor not in names:
+            raise ValueError(f"{type(self).__name__}: monitor={monitor!r} (probe.monitor) is not one of its "
+                             f"validation metrics {names}")
+        if mode not in BEST:
+            raise ValueError(f"{type(self).__name__}: mode={mode!r} (probe.mode) must be one of {sorted(BEST)}")
+        self.monitor, self.mode = monitor, mode
+        self.scheduler_monitor = scheduler_monitor or monitor
+        self.val_best = BEST[mode]()
+
+    # ------------------------------------------------------------------ model
+    def build(self, datamodule: pl.LightningDataModule | None) -> None:
+        """Create the parts whose sizes come from the data (called again by ``setup``: build once)."""
+
+    def setup(self, stage: str) -> None:
+        self.build(self.trainer.datamodule)
+
+    def trainable(self) -> bool:
+        """Whether any parameter requires a gradient (call after :meth:`build`)."""
+        return any(p.requires_grad for p in self.parameters())
+
+    # ------------------------------------------------------------------ steps
+    def step(self, batch: Any, split: str) -> tuple[torch.Tensor, int, Any]:
+        """One batch of ``split``: updates ``<split>_metrics`` and returns ``(loss, items, output)``: the loss,
+        the number of items it is the mean over (its weight in the epoch mean), what ``test_step`` returns."""
+        raise NotImplementedError
+
+    def describe_batch(self, batch: Any) -> str:
+        """The batch's items (sentence indices, example ids, ...) for error messages."""
+        return ""
+
+    def check_loss(self, loss: torch.Tensor, batch: Any, batch_idx: int, split: str) -> None:
+        """Raise :class:`NonFiniteLossError` naming the batch when ``loss`` is NaN or infinite."""
+        if not bool(torch.isfinite(loss).all()):
+            what = self.describe_batch(batch)
+            raise NonFiniteLossError(f"{type(self).__name__}: {split} loss is {loss.detach().cpu().tolist()} in "
+                                     f"epoch {self.current_epoch}, batch {batch_idx}" + (f" ({what})" if what else ""))
+
+    def _run_step(self, batch: Any, batch_idx: int, split: str) -> tuple[torch.Tensor, Any]:
+        loss, items, output = self.step(batch, split)
+        self.check_loss(loss, batch, batch_idx, split)
+        self.log(f"{split}/loss", loss, on_step=split == "train", on_epoch=True, prog_bar=True, batch_size=items,
+                 sync_dist=True)  # DDP: the mean over processes
+        return loss, output
+
+    def training_step(self, batch, batch_idx):
+        return self._run_step(batch, batch_idx, "train")[0]
+
+    def validation_step(self, batch, batch_idx):
+        self._run_step(batch, batch_idx, "val")
+
+    def test_step(self, batch, batch_idx):
+        return self._run_step(batch, batch_idx, "test")[1]
+
+    # ------------------------------------------------------------------ epoch ends
+    def log_metrics(self, split: str) -> dict[str, torch.Tensor]:
+        """Compute, reset and log ``<split>_metrics`` (for ``val`` also ``<monitor>_best``); returns the values."""
+        collection: MetricCollection = getattr(self, f"{split}_metrics")
+        values = dict(collection.compute()) if len(collection) else {}
+        collection.reset()
+        if split == "val":
+            current = values[self.monitor]
+            if not self.trainer.sanity_checking and not torch.isnan(current):
+                self.val_best.update(current)
+            if self.val_best.update_count:
+                values[f"{self.monitor}_best"] = self.val_best.compute()
+        # computed from the synced metric states: equal on every rank
+        self.log_dict(values, prog_bar=split != "train", sync_dist=True)
+        return values
+
+    def on_train_epoch_end(self) -> None:
+        self.log_metrics("train")
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_metrics("val")
+
+    def on_test_epoch_end(self) -> None:
+        self.log_metrics("test")
+
+    # ------------------------------------------------------------------ optimisation
+    def param_groups(self) -> list[dict] | list[torch.nn.Parameter]:
+        """What the optimizer trains: by default every parameter that requires a gradient."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def scheduler_arguments(self) -> dict[str, Any]:
+        """Keyword arguments the scheduler partial gets besides ``optimizer``."""
+        return {}
+
+    def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError(f"{type(self).__name__} needs an optimizer partial to train (probe.optimizer)")
+        optimizer = self.optimizer_factory(params=self.param_groups())
+        for group in optimizer.param_groups:  # before the scheduler reads the lrs
+            if "lr_scale" in group:
+                group["lr"] = group["lr"] * group["lr_scale"]
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer=optimizer, **self.scheduler_arguments())
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval,
+                                                         "monitor": self.scheduler_monitor}}
