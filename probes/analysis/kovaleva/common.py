@@ -1,5 +1,5 @@
 """Helpers shared by the Kovaleva et al. (2019) analyses: which fine-tuned model (``checkpoint``) goes
-with which GLUE task, loading it with :func:`probes.model.load.load_finetuned`, and the pre-trained /
+with which GLUE task, loading it with :func:`probes.glue.export.load_finetuned`, and the pre-trained /
 fine-tuned model variants whose attention is compared.
 
 ``checkpoint`` is, everywhere, a GLUE run folder (holding ``hf_model/``), an ``hf_model`` folder, a
