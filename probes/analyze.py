@@ -9,7 +9,6 @@ the function :func:`probes.analyze` (the Python API) calls too. One's own CoNLL-
 import os
 import sys
 import types
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -17,11 +16,12 @@ from omegaconf import DictConfig
 
 from probes import api
 from probes.analysis.context import run_analysis
+from probes.config import CONF_DIR, PROJECT_ROOT
 
-os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("PROJECT_ROOT", str(PROJECT_ROOT))
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="analyze")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="analyze")
 def main(cfg: DictConfig) -> None:
     """Run ``cfg.analysis`` into the Hydra run dir (wandb as ``logger.use_wandb`` says)."""
     run_analysis(cfg, HydraConfig.get().runtime.output_dir, name=HydraConfig.get().runtime.choices.analysis)
