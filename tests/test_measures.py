@@ -10,6 +10,7 @@ right-padded batch of two sentences, so padding is checked as well.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import networkx as nx
@@ -22,8 +23,11 @@ from omegaconf import OmegaConf
 from transformers import AutoModel
 
 from probes.measures import build, iter_maps
+from probes.measures.rollout import flow_maps
+from probes.measures.value_zeroing import ValueZeroing
 from probes.model import hooks
 from probes.model.inputs import encode_words, pad_encoded
+from probes.model.load import load_packaged
 from probes.model.tiny import FAMILIES, tiny_folder
 from tests.conftest import ROOT, TINY_CONLLU
 
@@ -332,3 +336,39 @@ def test_map_kind_in_clustering_and_attribution(analysis, kind, extra, tmp_path)
         layers = pd.read_csv(tmp_path / "out" / "attribution_heads.csv")
         assert len(layers) == 2 and layers.js.between(0, 1).all()
         assert kind in summary["patterns"]
+
+
+# ----------------------------------------------------------------------------- precision of flow and value zeroing
+def _random_augmented(L: int, n: int, seed: int) -> np.ndarray:
+    """(L, n, n) residual-augmented maps: 0.5 (random attention rows) + 0.5 I, as Rollout/Flow build them."""
+    rng = np.random.default_rng(seed)
+    att = rng.dirichlet(np.full(n, 0.3), size=(L, n))  # (L, n, n) rows sum to 1, many small entries
+    return 0.5 * att + 0.5 * np.eye(n)[None]
+
+
+def test_flow_capacities_precise_to_1e9():
+    """The default integer scale (1e9) gives flows within 1e-8 of networkx's float max-flow; the earlier 1e6
+    scale did not (the check can fail)."""
+    aug = _random_augmented(3, 7, seed=0)
+    ref = ref_flow(aug)  # float64 capacities, networkx Edmonds-Karp
+    np.testing.assert_allclose(flow_maps(aug), ref, atol=1e-8, rtol=0)
+    assert np.abs(flow_maps(aug, scale=1e6) - ref).max() > 1e-8
+    with pytest.raises(ValueError, match="extract.measures.flow.scale"):
+        flow_maps(aug, scale=1e10)
+
+
+@pytest.mark.slow
+def test_value_zeroing_float32_model_equals_float64_reference():
+    """Value zeroing of the packaged MiniLM in float32 equals the same computation on a float64 copy of the
+    model to 1e-5 and has no negative entries: its [CLS] rows in layers 1-4 hold cosine distances below 1e-4,
+    where a float32 ``1 - cos`` was rounding noise (errors up to 7e-3, entries down to -8e-3 on this sentence)."""
+    enc = load_packaged()
+    words = "The quick brown fox jumps over the lazy dog near the bank .".split()
+    e = encode_words(enc.tokenizer, [words])[0]
+    ids = torch.tensor([e.input_ids])  # (1, T)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        got = torch.stack(ValueZeroing()(enc.model, ids, mask))[:, 0, 0].numpy()  # (L, T, T)
+        ref = torch.stack(ValueZeroing()(copy.deepcopy(enc.model).double(), ids, mask))[:, 0, 0].numpy()
+    assert got.min() >= 0
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)

@@ -10,7 +10,8 @@ Both start from the residual-augmented head-mean attention of each layer, as the
   from (l, i) to (l-1, j) of capacity ``Â_l[i, j]``; ``F_l[i, j]`` = the maximum flow from (l, i) to input
   node (0, j), each row normalised to sum 1 (``compute_flows`` in the reference, which uses networkx's
   Edmonds-Karp). Here scipy's C max-flow (``scipy.sparse.csgraph.maximum_flow``, Dinic) on integer
-  capacities ``round(Â * scale)`` (default 1e6: relative error ~1e-6, below the cache's float16).
+  capacities ``round(Â * scale)`` (default 1e9: each capacity within 5e-10 of its real value; scipy's
+  capacities are int32, which holds 1e9 x a row of Â, whose entries are at most 1).
   Cost: L * T^2 max-flow problems per sentence, the one for layer l on l T^2 edges, i.e. O(L^2 T^4)
   edge visits or worse; sentences longer than ``max_pieces`` (default 32 wordpieces incl. specials) are
   left out of the cache (the extraction's long-sentence policy).
@@ -44,10 +45,13 @@ class Rollout(Measure):
         return list(r.unsqueeze(2))
 
 
-def flow_maps(aug: np.ndarray, scale: float = 1e6) -> np.ndarray:
+def flow_maps(aug: np.ndarray, scale: float = 1e9) -> np.ndarray:
     """Attention flow of one sentence: aug (L, n, n) residual-augmented maps -> (L, n, n) row-normalised flows."""
     L, n, _ = aug.shape
     N = (L + 1) * n
+    if float(np.max(aug, initial=0.0)) * scale > np.iinfo(np.int32).max:
+        raise ValueError(f"flow: scale={scale:g} overflows scipy's int32 capacities (largest entry "
+                         f"{float(np.max(aug)):.3g}); lower extract.measures.flow.scale")
     cap = np.zeros((N, N), dtype=np.int32)  # node (l, i) = l * n + i; edges go one layer down
     for l in range(1, L + 1):
         cap[l * n:(l + 1) * n, (l - 1) * n:l * n] = np.rint(aug[l - 1] * scale).astype(np.int32)
@@ -66,7 +70,7 @@ class Flow(Measure):
 
     per_head = False
 
-    def __init__(self, max_pieces: int = 32, scale: float = 1e6):
+    def __init__(self, max_pieces: int = 32, scale: float = 1e9):
         self.max_pieces, self.scale = int(max_pieces), float(scale)
 
     def __call__(self, model, input_ids, attention_mask):

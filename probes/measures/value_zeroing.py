@@ -32,8 +32,8 @@ class ValueZeroing(Measure):
         L = len(hooks.attention_sites(model))
         with hooks.attention(model, layers=[], internals=True, stop_block=L - 1) as s:
             s.run(input_ids=input_ids, attention_mask=attention_mask)
-        x = [s.block_input[l].float() for l in range(L)]  # L x (B, T, D) original block inputs
-        y = [s.block_output[l].float() for l in range(L)]  # L x (B, T, D) original block outputs
+        x = [s.block_input[l] for l in range(L)]  # L x (B, T, D) original block inputs (model dtype)
+        y = [s.block_output[l].double() for l in range(L)]  # L x (B, T, D) original block outputs
         B, T = input_ids.shape
         out = torch.zeros(L, B, T, T, device=input_ids.device)  # (L, B, T, T)
         for b, n in enumerate(lengths(attention_mask)):
@@ -46,9 +46,12 @@ class ValueZeroing(Measure):
                                      zero_values=zero, stop_block=L - 1) as z:
                     z.run(input_ids=ids, attention_mask=torch.ones_like(ids))
                 for l in range(L):
-                    new = z.block_output[l].float()  # (c, n, D)
-                    dist = 1 - torch.nn.functional.cosine_similarity(new, y[l][b, :n].expand(c, n, -1), dim=-1)
-                    out[l, b, :n, t0:t0 + c] = dist.T  # rows: position i, columns: zeroed token j
+                    new = z.block_output[l].double()  # (c, n, D)
+                    # float64 cosine: the [CLS] rows of middle layers have distances below 1e-4, where a float32
+                    # 1 - cos is rounding noise (negative values); negatives clipped at 0 as the reference does
+                    dist = (1 - torch.nn.functional.cosine_similarity(new, y[l][b, :n].expand(c, n, -1), dim=-1)
+                            ).clamp(min=0)  # (c, n)
+                    out[l, b, :n, t0:t0 + c] = dist.T.float()  # rows: position i, columns: zeroed token j
         out = out / out.sum(-1, keepdim=True).clamp(min=1e-12)
         if self.rollout:
             out = joint_maps(out)
