@@ -155,7 +155,7 @@ def decide(timings: Mapping[str, float], cands: Sequence[str], margin: float) ->
     return (fastest if ratio >= margin else BASELINE), ratio
 
 
-def measure(cands: Sequence[str], time_fn: Callable[[str], float], budget_s: float = 0.6, min_rounds: int = 3,
+def measure(cands: Sequence[str], time_fn: Callable[[str], float], budget_s: float = 0.6, min_rounds: int = 2,
             max_rounds: int = 8, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Time the candidates interleaved (A B A B ...; one untimed warm-up call each first), ``min_rounds`` rounds
     and more while the next round fits in ``budget_s`` seconds (``max_rounds`` at most); every timing of each
