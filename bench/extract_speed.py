@@ -234,7 +234,7 @@ def child(side: str, args: dict, precision: str | None, queue) -> None:
                     store = tempfile.mkdtemp(dir=tmp)  # auto: an empty precision.json, as on a first run
                     t0 = time.perf_counter()
                     chosen = resolve_precision(precision, "gpu" if device == "cuda" else "cpu", encoder, sentences,
-                                               cache_dir=store)
+                                               cache_dir=store, margin=args["precision_margin"])
                     out["choose_s"] = time.perf_counter() - t0
                     out["cache"] = run_extract(encoder, sentences, device, chosen, tmp, args["split"])
                     out["chosen"] = chosen
@@ -395,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", nargs="+", default=None,
                     help="extractor precisions, each a separate run (default: every explicit candidate of the "
                          "device - cpu: 32-true bf16-mixed; cuda: 16-mixed bf16-mixed 32-true - then auto)")
+    ap.add_argument("--precision-margin", type=float, default=1.3,
+                    help="auto: the speed-up over 32-true another precision needs (extract.precision_margin)")
     ap.add_argument("--data-dir", default=os.environ.get("PROBES_DATA_DIR") or str(DEFAULT_DATA_DIR))
     ap.add_argument("--out", default=None, help="write results as JSON")
     ap.add_argument("--check", action="store_true",
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     precisions = a.precision or (["16-mixed", *(["bf16-mixed"] if torch.cuda.is_bf16_supported() else []), "32-true"]
                                  if device == "cuda" else ["32-true", "bf16-mixed"]) + ["auto"]
     args = dict(encoder=a.encoder, split=a.split, sentences=a.sentences or None, device=a.device, data_dir=a.data_dir,
-                warmup=a.warmup, repeats=a.repeats, budget_s=a.budget)
+                warmup=a.warmup, repeats=a.repeats, budget_s=a.budget, precision_margin=a.precision_margin)
     info = machine()
     print(f"machine: CPU {info['cpu']} ({info['cores']} logical CPUs, torch threads {info['torch_threads']}, "
           f"{info['cpu_capability']}, native bf16: {'yes' if info['cpu_native_bf16'] else 'no'}), "

@@ -156,7 +156,7 @@ def test_length_batches_respect_budget():
 
 
 # ----------------------------------------------------------------------------- precision=auto
-def test_auto_precision_is_the_argmin_remembered_per_shape(tmp_path):
+def test_auto_precision_is_remembered_per_shape_with_its_timings(tmp_path):
     store = tmp_path / "precision.json"
     calls = []
 
@@ -169,28 +169,32 @@ def test_auto_precision_is_the_argmin_remembered_per_shape(tmp_path):
     key = dict(cpu="Test CPU", torch="2.x", device="cpu", model_type="bert", layers=6, heads=12, hidden=384,
                intermediate=1536, threads=2)
     cands = ["32-true", "bf16-mixed"]
-    assert P.choose(key, cands, fake({"32-true": 2e-4, "bf16-mixed": 3e-4}), store) == "32-true"
-    assert sorted(calls) == sorted(cands)
+    assert P.choose(key, cands, fake({"32-true": 2e-4, "bf16-mixed": 3e-4}), store, margin=1.3) == "32-true"
+    assert set(calls) == set(cands) and len(calls) >= 2 * 4  # a warm-up and at least 3 rounds each
     first = store.read_text()
     # remembered: no timing, same answer even if the machine would now time differently
     calls.clear()
-    assert P.choose(key, cands, fake({"32-true": 9.0, "bf16-mixed": 1e-9}), store) == "32-true" and calls == []
-    assert store.read_text() == first
+    assert P.choose(key, cands, fake({"32-true": 9.0, "bf16-mixed": 1e-9}), store, margin=1.3) == "32-true"
+    assert calls == [] and store.read_text() == first
     # another model shape is measured on its own; the first decision stays
     other = dict(key, layers=12, hidden=768, intermediate=3072)
-    assert P.choose(other, cands, fake({"32-true": 5e-4, "bf16-mixed": 1e-4}), store) == "bf16-mixed"
-    assert sorted(calls) == sorted(cands)
+    assert P.choose(other, cands, fake({"32-true": 5e-4, "bf16-mixed": 1e-4}), store, margin=1.3) == "bf16-mixed"
     data = json.loads(store.read_text())
     assert {v["precision"] for v in data.values()} == {"32-true", "bf16-mixed"} and len(data) == 2
-    # what is stored is the decision only (no timings): rewriting the same decision gives the same bytes
-    assert all(set(v) == {"precision", "candidates", "key"} for v in data.values())
-    # a different candidate set (e.g. a CPU that gained bf16) re-measures
+    # the record holds the timings (best of each), the margin and the speed-up the decision was made on
+    rec = data[P.key_string(other)]
+    assert rec["timings"] == {"32-true": 5e-4, "bf16-mixed": 1e-4} and rec["margin"] == 1.3
+    assert rec["speedup"] == pytest.approx(5.0) and rec["rounds"] >= 3 and len(rec["samples"]["32-true"]) == rec["rounds"]
+    # another margin, or a different candidate set (e.g. a CPU that gained bf16), re-measures
+    calls.clear()
+    assert P.choose(key, cands, fake({"32-true": 2e-4, "bf16-mixed": 1e-4}), store, margin=1.5) == "bf16-mixed"
+    assert calls
     calls.clear()
     assert P.choose(key, ["32-true", "bf16-mixed", "16-mixed"],
-                    fake({"32-true": 3.0, "bf16-mixed": 2.0, "16-mixed": 1.0}), store) == "16-mixed"
-    assert len(calls) == 3
+                    fake({"32-true": 3.0, "bf16-mixed": 2.0, "16-mixed": 1.0}), store, margin=1.3) == "16-mixed"
+    assert set(calls) == {"32-true", "bf16-mixed", "16-mixed"}
     # a single candidate needs no timing
-    assert P.choose(key, ["32-true"], fake({}), store) == "32-true"
+    assert P.choose(key, ["32-true"], fake({}), store, margin=1.3) == "32-true"
 
 
 def test_resolve_precision_measures_once_and_keys_on_shape(tmp_path, monkeypatch):
@@ -203,11 +207,13 @@ def test_resolve_precision_measures_once_and_keys_on_shape(tmp_path, monkeypatch
 
     monkeypatch.setattr("probes.extract.stage.precision_timer", timer)
     a, b = tiny_bert(), tiny_bert(num_hidden_layers=3)
-    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, lookup_only=True) is None
-    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path) == "32-true"
-    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, lookup_only=True) == "32-true"
-    assert P.resolve_precision("auto", "cpu", b, SENTS, tmp_path) == "32-true"
+    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, lookup_only=True, margin=1.3) is None
+    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, margin=1.3) == "32-true"
+    assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, lookup_only=True, margin=1.3) == "32-true"
+    assert P.resolve_precision("auto", "cpu", b, SENTS, tmp_path, margin=1.3) == "32-true"
     assert timed == [2, 3]  # once per shape
+    with pytest.raises(ValueError, match="precision_margin"):
+        P.resolve_precision("auto", "cpu", a, SENTS, tmp_path)
     assert P.resolve_precision("bf16-mixed", "cpu", a) == "bf16-mixed"  # explicit: as given, nothing timed
     assert timed == [2, 3] and a._model is None  # deciding (fake timer) loaded no weights
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+import probes.resolvers  # noqa: F401  (${unique_now:} of the run folder)
 from probes.extract.run import run
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[2]))

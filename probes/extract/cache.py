@@ -8,6 +8,13 @@ A map of a sentence with n words has side W = n + 2 ([CLS], words, [SEP]) and sh
 An entry is built in `<entry>.partial/` and renamed into place once complete, so nothing that
 lacks a manifest is ever read; an interrupted build is deleted and redone by the next run.
 
+Integrity: each shard writer computes the CRC-32 of its data file and its index while writing them; the
+manifest lists every file's size and CRC-32 (``checksums``). An entry is verified once per process when it is
+first opened (:func:`verify`, about 1 s per GB of maps); a damaged entry (a file missing, truncated or with
+other bytes) raises :class:`CacheDamaged`, which names the entry, the file and the command that rebuilds it,
+and :func:`set_aside` moves such an entry out of the way (``<entry>.damaged-<time>``) so that it is rebuilt.
+Entries written before checksums existed are read unverified (logged once per entry).
+
 Concurrent builds (parallel sweep jobs, DDP ranks' loaders): :func:`build_lock` takes an exclusive
 lock on `<cache_dir>/.locks/<kind>/<entry>.lock` (:func:`lock_path`; ``filelock``: ``flock``, released
 by the kernel when its holder dies; outside the kind's folder, which lists entries only), so exactly
@@ -19,11 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
+import shlex
 import shutil
+import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -104,20 +115,35 @@ def build_lock(final_dir: str | Path, poll_interval: float = 0.5, timeout: float
         lock.release()
 
 
+def index_name(shard: str) -> str:
+    """The index file of the shard ``maps-r<rank>.f16``: ``index-r<rank>.npy``."""
+    return shard.replace("maps", "index").replace(".f16", ".npy")
+
+
 class ShardWriter:
-    """Appends one rank's maps to its shard; `close()` fsyncs the data and writes the index."""
+    """Appends one rank's maps to its shard; `close()` fsyncs the data, writes the index and the CRC-32 and
+    size of both (``checksums-r<rank>.json``, merged into the manifest by :func:`finalize`)."""
 
     def __init__(self, partial_dir: Path, rank: int):
         self.data_path = partial_dir / f"maps-r{rank}.f16"
         self.index_path = partial_dir / f"index-r{rank}.npy"
-        self._f = open(self.data_path, "wb")
+        self.sums_path = partial_dir / f"checksums-r{rank}.json"
+        self._f = open(self.data_path, "wb")  # mode 0666 & ~umask, as every file of the cache
         self._rows: list[tuple[int, int, int]] = []
         self._offset = 0
+        self._crc, self._bytes = 0, 0
+
+    def _put(self, block: np.ndarray) -> None:
+        """Append ``block``'s bytes (no intermediate copy) and fold them into the shard's CRC-32."""
+        view = memoryview(np.ascontiguousarray(block)).cast("B")
+        self._f.write(view)
+        self._crc = zlib.crc32(view, self._crc)
+        self._bytes += len(view)
 
     def write(self, sentence_index: int, maps: np.ndarray) -> None:
         """maps: (L, H, W, W) float16."""
         assert maps.dtype == np.float16 and maps.shape[-1] == maps.shape[-2]
-        self._f.write(memoryview(np.ascontiguousarray(maps)).cast("B"))  # no intermediate bytes copy
+        self._put(maps)
         self._rows.append((sentence_index, self._offset, maps.shape[-1]))
         self._offset += maps.size
 
@@ -125,33 +151,176 @@ class ShardWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
-        np.save(self.index_path, np.asarray(self._rows, dtype=np.int64).reshape(-1, 3))
+        buf = io.BytesIO()  # the bytes np.save(path) writes, hashed on their way to the file
+        np.save(buf, np.asarray(self._rows, dtype=np.int64).reshape(-1, 3))
+        index = buf.getvalue()
+        with open(self.index_path, "wb") as f:
+            f.write(index)
+        sums = {self.data_path.name: dict(bytes=self._bytes, crc32=f"{self._crc:08x}"),
+                self.index_path.name: dict(bytes=len(index), crc32=f"{zlib.crc32(index):08x}")}
+        atomic_write_text(self.sums_path, json.dumps(sums))
+
+
+def file_checksum(path: str | Path, chunk: int = 1 << 22) -> tuple[int, str]:
+    """(size in bytes, CRC-32 as 8 hex digits) of a file, read in ``chunk``-byte pieces."""
+    crc, size, buf = 0, 0, bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, f"{crc:08x}"
 
 
 def finalize(partial_dir: Path, final_dir: Path, manifest: dict) -> None:
-    """Check the shards cover every expected sentence once, write the manifest, rename into place."""
+    """Check the shards cover every expected sentence once, write the manifest (with every file's size and
+    CRC-32 from the shard writers), rename into place."""
     shards = sorted(p.name for p in partial_dir.glob("maps-r*.f16"))
-    seen = np.concatenate([np.load(partial_dir / s.replace("maps", "index").replace(".f16", ".npy"))[:, 0]
+    seen = np.concatenate([np.load(partial_dir / index_name(s))[:, 0]
                            for s in shards]) if shards else np.zeros(0, dtype=np.int64)
     expected = set(range(manifest["n_sentences"])) - set(manifest["skipped"])
     if len(seen) != len(set(seen.tolist())) or set(seen.tolist()) != expected:
         raise RuntimeError(f"cache shards in {partial_dir} do not cover each sentence exactly once")
-    manifest = dict(manifest, shards=shards, bytes=sum((partial_dir / s).stat().st_size for s in shards))
+    checksums = {}
+    for sums in sorted(partial_dir.glob("checksums-r*.json")):
+        checksums.update(json.loads(sums.read_text()))
+    for name in [n for s in shards for n in (s, index_name(s))]:
+        if name not in checksums:  # a writer that kept no checksum: hash the file as it is now
+            size, crc = file_checksum(partial_dir / name)
+            checksums[name] = dict(bytes=size, crc32=crc)
+        if (partial_dir / name).stat().st_size != checksums[name]["bytes"]:
+            raise RuntimeError(f"{partial_dir / name}: {(partial_dir / name).stat().st_size} bytes on disk, "
+                               f"its writer wrote {checksums[name]['bytes']}")
+    manifest = dict(manifest, shards=shards, bytes=sum((partial_dir / s).stat().st_size for s in shards),
+                    checksums={n: checksums[n] for n in sorted(checksums)})
+    manifest.setdefault("command", build_command(manifest.get("key", {})))
     atomic_write_text(partial_dir / "manifest.json", json.dumps(manifest, indent=1))
+    for sums in partial_dir.glob("checksums-r*.json"):
+        sums.unlink()
     if final_dir.exists():
         shutil.rmtree(final_dir)
     os.replace(partial_dir, final_dir)
+    _VERIFIED.add(_identity(final_dir))  # its bytes were hashed as they were written
+
+
+# ----------------------------------------------------------------------------- integrity
+COMMAND_ENV = "PROBES_EXTRACT_COMMAND"  # set by the runner for its child: the command of the process that asked
+
+_VERIFIED: set[tuple] = set()  # (entry, manifest inode, mtime) verified in this process
+_UNVERIFIED_SAID: set[str] = set()
+
+
+class CacheDamaged(RuntimeError):
+    """A complete cache entry whose files are not those its manifest lists (missing, truncated, other bytes).
+
+    ``entry``: the entry folder; ``file``: the damaged file; the message says how to rebuild the entry."""
+
+    def __init__(self, entry: Path, file: str, problem: str, command: str):
+        self.entry, self.file = Path(entry), file
+        super().__init__(f"damaged cache entry {entry}: {file} {problem}. Delete the entry and rebuild it:\n"
+                         f"  rm -r {shlex.quote(str(entry))}\n  {command}")
+
+
+def build_command(key: dict) -> str:
+    """The command that (re)builds an entry: the one that asked for it (``$PROBES_EXTRACT_COMMAND`` in the
+    runner's child), else this process's command line; ``train.py`` overrides become ``python -m probes.extract``
+    with the same overrides (same config) and the entry's split."""
+    env = os.environ.get(COMMAND_ENV)
+    if env:
+        return env
+    argv = list(sys.argv) or ["python"]
+    script = Path(argv[0])
+    if script.name == "train.py" or script.parts[-3:] == ("probes", "extract", "__main__.py"):
+        args = [a for a in argv[1:] if not a.startswith("-") and not a.startswith("splits=")]
+        split = key.get("split")
+        return shlex.join(["python", "-m", "probes.extract", *args, *([f"splits=[{split}]"] if split else [])])
+    if script.suffix == ".py" and "probes" in script.parts:  # a module of the package run with -m
+        parts = script.with_suffix("").parts
+        mod = ".".join(parts[len(parts) - 1 - parts[::-1].index("probes"):]).removesuffix(".__main__")
+        return shlex.join(["python", "-m", mod, *argv[1:]])
+    return shlex.join(["python", *argv])
+
+
+def _identity(path: Path) -> tuple:
+    st = (Path(path) / "manifest.json").stat()
+    return str(Path(path).resolve()), st.st_ino, st.st_mtime_ns
+
+
+def verify(path: str | Path, manifest: dict | None = None, force: bool = False) -> bool:
+    """Check the files of the complete entry at ``path`` against its manifest's sizes and CRC-32s, once per
+    process (``force``: again). True when verified, False for an entry written before checksums existed
+    (read unverified; logged once); :class:`CacheDamaged` when a file is missing, has another size or other
+    bytes (the manifest itself unreadable: also :class:`CacheDamaged`)."""
+    path = Path(path)
+    ident = _identity(path)
+    if ident in _VERIFIED and not force:
+        return True
+    if manifest is None:
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except ValueError as e:
+            raise CacheDamaged(path, "manifest.json", f"is not valid JSON ({e})",
+                               "rerun the command that built it (missing entries are rebuilt)") from None
+    command = manifest.get("command") or build_command(manifest.get("key", {}))
+    sums = manifest.get("checksums")
+    if sums is None:
+        if str(path) not in _UNVERIFIED_SAID:
+            _UNVERIFIED_SAID.add(str(path))
+            log.warning("cache entry %s was written without checksums (older version): read unverified; "
+                        "delete it to rebuild it with checksums", path)
+        for shard in manifest.get("shards", []):
+            for name in (shard, index_name(shard)):
+                if not (path / name).is_file():
+                    raise CacheDamaged(path, name, "is missing", command)
+        return False
+    for shard in manifest["shards"]:
+        for name in (shard, index_name(shard)):
+            if name not in sums:
+                raise CacheDamaged(path, name, "has no checksum in manifest.json", command)
+    for name, want in sums.items():
+        f = path / name
+        if not f.is_file():
+            raise CacheDamaged(path, name, "is missing", command)
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CacheDamaged(path, name, f"has {size} bytes, {want['bytes']} were written (truncated?)"
+                               if size < want["bytes"] else f"has {size} bytes, {want['bytes']} were written",
+                               command)
+        _, crc = file_checksum(f)
+        if crc != want["crc32"]:
+            raise CacheDamaged(path, name, f"has other bytes than were written (CRC-32 {crc}, written {want['crc32']})",
+                               command)
+    _VERIFIED.add(ident)
+    return True
+
+
+def set_aside(path: str | Path, reason: str = "") -> Path:
+    """Rename the entry ``path`` to ``<path>.damaged-<UTC time>`` (kept for inspection, no longer found, so
+    rebuilt by the next run that needs it); logged. Returns the new path."""
+    path = Path(path)
+    dest = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+    os.replace(path, dest)
+    log.warning("moved damaged cache entry %s aside to %s; it will be rebuilt%s", path, dest,
+                f" ({reason})" if reason else "")
+    return dest
 
 
 class AttentionCache:
-    """Read-only view of a complete cache entry; maps are memory-mapped and read lazily."""
+    """Read-only view of a complete cache entry; maps are read lazily. The entry's files are checked against
+    its manifest's checksums when it is first opened in a process (:func:`verify`; :class:`CacheDamaged`)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._fds: list[int] | None = None  # opened on first access in each process
         manifest = self.path / "manifest.json"
         if not manifest.exists():
             raise FileNotFoundError(f"no complete attention cache at {self.path} (missing manifest.json)")
-        self.manifest = json.loads(manifest.read_text())
+        try:
+            self.manifest = json.loads(manifest.read_text())
+        except ValueError as e:
+            raise CacheDamaged(self.path, "manifest.json", f"is not valid JSON ({e})",
+                               "rerun the command that built it (missing entries are rebuilt)") from None
+        verify(self.path, self.manifest)
         if self.manifest["format_version"] != FORMAT_VERSION:
             raise ValueError(f"{manifest}: cache format {self.manifest['format_version']}, expected {FORMAT_VERSION}")
         self.num_layers = self.manifest["num_layers"]
@@ -159,10 +328,9 @@ class AttentionCache:
         n = self.manifest["n_sentences"]
         self._where = np.full((n, 3), -1, dtype=np.int64)  # (N, 3): shard, offset, side
         for s, shard in enumerate(self.manifest["shards"]):
-            idx = np.load(self.path / shard.replace("maps", "index").replace(".f16", ".npy"))
+            idx = np.load(self.path / index_name(shard))
             self._where[idx[:, 0], 0] = s
             self._where[idx[:, 0], 1:] = idx[:, 1:]
-        self._fds: list[int] | None = None  # opened on first access in each process
 
     def __len__(self) -> int:
         return len(self._where)
@@ -189,12 +357,13 @@ class AttentionCache:
         nbytes = 2 * int(np.prod(shape))
         buf = os.pread(self._fds[shard], nbytes, 2 * offset)
         if len(buf) != nbytes:
-            raise OSError(f"{self.path / self.manifest['shards'][shard]}: truncated at sentence {i}")
+            raise CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
+                               self.manifest.get("command") or build_command(self.manifest.get("key", {})))
         return np.frombuffer(buf, dtype=np.float16).reshape(shape)
 
     def __getstate__(self):
         return dict(self.__dict__, _fds=None)
 
     def __del__(self):
-        for fd in self._fds or []:
+        for fd in getattr(self, "_fds", None) or []:
             os.close(fd)

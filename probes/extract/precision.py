@@ -1,20 +1,26 @@
 """`extract.precision=auto`: the fastest precision on this machine for this model shape, measured once.
 
-On first use for a key (CPU model / GPU name, torch version, threads, device, model shape) a few real
-batches are timed at each candidate precision (CPU: ``32-true``, plus ``bf16-mixed`` where the CPU has
-native bf16; GPU: ``16-mixed``, ``bf16-mixed`` where supported, ``32-true``); the fastest is remembered in
-``<cache_dir>/precision.json`` (read-measure-write under a file lock, atomic rename) and reused after.
-Only the decisions are stored (timings go to the log), so the file holds nothing run-dependent but them.
+On first use for a key (CPU model / GPU name, torch version, threads, device, model shape) one real batch is
+timed at each candidate precision (CPU: ``32-true``, plus ``bf16-mixed`` where the CPU has native bf16; GPU:
+``16-mixed``, ``bf16-mixed`` where supported, ``32-true``), the candidates interleaved (A B A B ...) for a few
+rounds within about a second (:func:`measure`), and each candidate's minimum compared (:func:`decide`):
+``32-true`` is kept unless another candidate is at least ``extract.precision_margin`` (1.3) times faster, so a
+busy machine does not tip the choice. The decision, its timings and margin are remembered in
+``<cache_dir>/precision.json`` (read-measure-write under a file lock, atomic rename) and reused after;
+:func:`record` returns what a run folder records about it. The resolved precision is part of every cache key:
+set ``extract.precision=32-true`` (or ``bf16-mixed``) to pin it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import platform
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -122,31 +128,80 @@ def read_store(path: Path) -> dict:
         return {}
 
 
-def remembered(path: Path, key: dict, cands: Sequence[str]) -> str | None:
-    """The stored decision for ``key`` if it was made among the same candidates."""
+def remembered(path: Path, key: dict, cands: Sequence[str], margin: float) -> str | None:
+    """The stored decision for ``key`` if it was made among the same candidates with the same margin (a
+    decision stored before margins existed is measured again)."""
     rec = read_store(path).get(key_string(key))
-    if isinstance(rec, dict) and rec.get("candidates") == list(cands) and rec.get("precision") in cands:
+    if isinstance(rec, dict) and rec.get("candidates") == list(cands) and rec.get("precision") in cands \
+            and rec.get("margin") == margin:
         return rec["precision"]
     return None
 
 
-def choose(key: dict, cands: Sequence[str], time_fn: Callable[[str], float], path: str | Path | None) -> str:
-    """The remembered decision for ``key``, else the argmin of ``time_fn(candidate)`` (seconds per token),
-    stored under ``path`` (None: not stored). Ties go to the earlier candidate."""
+BASELINE = "32-true"  # full precision: left only for a clear margin
+
+
+def decide(timings: Mapping[str, float], cands: Sequence[str], margin: float) -> tuple[str, float | None]:
+    """The decision rule on measured times (seconds per token, the minimum over the rounds): ``32-true`` unless
+    the fastest other candidate is at least ``margin`` times faster (then that one); without ``32-true`` among
+    ``cands``, the fastest (ties to the earlier). Returns (choice, speed-up of the fastest other candidate over
+    ``32-true``, None without it)."""
+    cands = list(cands)
+    others = [c for c in cands if c != BASELINE]
+    if BASELINE not in cands or not others:
+        return min(cands, key=lambda c: timings[c]), None
+    fastest = min(others, key=lambda c: timings[c])
+    ratio = timings[BASELINE] / timings[fastest] if timings[fastest] > 0 else float("inf")
+    return (fastest if ratio >= margin else BASELINE), ratio
+
+
+def measure(cands: Sequence[str], time_fn: Callable[[str], float], budget_s: float = 0.6, min_rounds: int = 2,
+            max_rounds: int = 8, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Time the candidates interleaved (A B A B ...; one untimed warm-up call each first), ``min_rounds`` rounds
+    and more while the next round fits in ``budget_s`` seconds (``max_rounds`` at most); every timing of each
+    candidate (``time_fn(c)``: seconds per token of one batch). Interleaving exposes every candidate to the
+    same machine load; the decision takes each one's minimum."""
+    cands = list(cands)
+    start = clock()
+    for c in cands:
+        time_fn(c)
+    samples: dict[str, list[float]] = {c: [] for c in cands}
+    t0 = clock()
+    for r in range(max_rounds):
+        for c in cands:
+            samples[c].append(float(time_fn(c)))
+        now = clock()
+        if r + 1 >= min_rounds and now - start + (now - t0) / (r + 1) > budget_s:
+            break
+    return samples
+
+
+def choose(key: dict, cands: Sequence[str], time_fn: Callable[[str], float], path: str | Path | None, *,
+           margin: float, budget_s: float = 0.6, clock: Callable[[], float] = time.perf_counter) -> str:
+    """The remembered decision for ``key`` (made among the same candidates with the same ``margin``), else
+    :func:`measure` then :func:`decide`, stored under ``path`` (None: not stored) with the timings."""
     cands = list(cands)
     if len(cands) == 1:
         return cands[0]
     path = None if path is None else Path(path)
     with (locked(path) if path is not None else contextlib.nullcontext()):
-        if path is not None and (hit := remembered(path, key, cands)) is not None:
+        if path is not None and (hit := remembered(path, key, cands, margin)) is not None:
             return hit
-        timings = {c: float(time_fn(c)) for c in cands}
-        best = min(cands, key=lambda c: timings[c])
-        log.info("extract.precision=auto -> %s (measured on %s: %s)", best, key_string(key),
-                 ", ".join(f"{c} {1 / t:,.0f} tokens/s" if t > 0 else f"{c} ?" for c, t in timings.items()))
+        t0 = clock()
+        samples = measure(cands, time_fn, budget_s=budget_s, clock=clock)
+        seconds = clock() - t0
+        timings = {c: min(v) for c, v in samples.items()}
+        best, ratio = decide(timings, cands, margin)
+        log.info("extract.precision=auto -> %s (measured on %s in %.2f s, %d rounds interleaved, best of each: %s; "
+                 "32-true is left only for a %.2fx speed-up)", best, key_string(key), seconds,
+                 len(samples[cands[0]]),
+                 ", ".join(f"{c} {1 / t:,.0f} tokens/s" if t > 0 else f"{c} ?" for c, t in timings.items()), margin)
         if path is not None:
             store = read_store(path)
-            store[key_string(key)] = dict(precision=best, candidates=cands, key=key)
+            store[key_string(key)] = dict(
+                precision=best, candidates=cands, key=key, margin=margin, speedup=ratio, timings=timings,
+                samples=samples, rounds=len(samples[cands[0]]), seconds=round(seconds, 3),
+                measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
             try:
                 atomic_write_text(path, json.dumps(store, indent=1, sort_keys=True) + "\n")
             except OSError as e:
@@ -154,17 +209,45 @@ def choose(key: dict, cands: Sequence[str], time_fn: Callable[[str], float], pat
     return best
 
 
+def record(precision: str, accelerator: str = "auto", encoder=None, cache_dir: str | Path | None = None, *,
+           margin: float | None = None) -> dict:
+    """What a run folder records about the extraction precision (nothing is measured or loaded): the requested
+    and resolved precision, how it was decided (``config``, ``only candidate``, ``measured``, ``not measured``)
+    and, for a measured decision, its stored record (key, candidates, margin, timings, speed-up, when)."""
+    out = dict(requested=str(precision))
+    if precision != "auto":
+        return dict(out, precision=str(precision), decided_by="config")
+    device = device_of(accelerator)
+    cands = candidates(device)
+    out.update(device=device, cpu=cpu_name(), candidates=cands, margin=margin)
+    if len(cands) == 1:
+        return dict(out, precision=cands[0], decided_by="only candidate")
+    if encoder is None or cache_dir is None:
+        return dict(out, precision=None, decided_by="not measured")
+    key = precision_key(encoder.config, device)
+    path = Path(cache_dir) / STORE
+    rec = read_store(path).get(key_string(key))
+    if margin is not None and remembered(path, key, cands, margin) is None:
+        return dict(out, precision=None, decided_by="not measured", key=key, store=str(path))
+    return dict(out, **(rec or {}), decided_by="measured", store=str(path))
+
+
 def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, sentences=None,
-                      cache_dir: str | Path | None = None, encoded=None, lookup_only: bool = False) -> str | None:
+                      cache_dir: str | Path | None = None, encoded=None, lookup_only: bool = False, *,
+                      margin: float | None = None) -> str | None:
     """The Lightning precision to extract with; ``auto`` measured (see module doc).
 
     ``encoder`` (an :class:`~probes.model.load.Encoder`) and ``sentences`` (word lists) or ``encoded``
     give the batches to time; ``cache_dir`` holds the remembered decisions. ``lookup_only``: return None
-    instead of measuring (nothing is loaded). Without an encoder, ``auto`` is the first candidate
-    (``32-true`` on a CPU, ``16-mixed`` on a GPU), unmeasured.
+    instead of measuring (nothing is loaded). ``margin``: the speed-up over ``32-true`` that another candidate
+    needs to be chosen (``extract.precision_margin``; required for ``auto``). Without an encoder, ``auto`` is
+    the first candidate (``32-true`` on a CPU, ``16-mixed`` on a GPU), unmeasured.
     """
     if precision != "auto":
         return str(precision)
+    if margin is None:
+        raise ValueError("extract.precision=auto needs extract.precision_margin (the speed-up over 32-true that "
+                         "another precision must show to be chosen; conf/extract/default.yaml)")
     device = device_of(accelerator)
     cands = candidates(device)
     if len(cands) == 1:
@@ -179,15 +262,15 @@ def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, s
     key = precision_key(encoder.config, device)
     path = None if cache_dir is None else Path(cache_dir) / STORE
     if path is not None:
-        hit = remembered(path, key, cands)
+        hit = remembered(path, key, cands, margin)
         if hit is not None or lookup_only:
             return hit
     elif lookup_only:
         return None
-    if encoded is None:  # a spread-out sample is enough to find batches around the median length
+    if encoded is None:  # a spread-out sample is enough to find a batch around the median length
         sentences = list(sentences or [])
-        encoded = stage.encode_all(encoder.tokenizer, [list(s) for s in sentences[::max(1, len(sentences) // 2000)]])
+        encoded = stage.encode_all(encoder.tokenizer, [list(s) for s in sentences[::max(1, len(sentences) // 500)]])
     timer = stage.precision_timer(encoder, encoded, device)
     if timer is None:  # nothing to time
         return cands[0]
-    return choose(key, cands, timer, path)
+    return choose(key, cands, timer, path, margin=margin)

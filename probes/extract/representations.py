@@ -5,6 +5,8 @@ same key hash, shard writer, build lock, `finalize` with its atomic rename):
   manifest.json        key, stored layers, hidden size, shard list, skipped sentences (written last)
   maps-r<rank>.f16     float16 states of the sentences that rank wrote, back to back
   index-r<rank>.npy    (N_r, 3) int64 rows: sentence index, element offset, number of words n
+Every file's size and CRC-32 are in the manifest and checked when the entry is first opened in a process
+(:func:`probes.extract.cache.verify`).
 A sentence with n words is stored as (L', n, D): L' = the stored layers in increasing order (0 = embedding
 output, l = output of layer l), one row per word, pieces pooled to words (`mean` over the word's pieces,
 or its `first` piece; part of the key). Readers copy one sentence (or one layer of it) with `os.pread`.
@@ -54,7 +56,7 @@ class HiddenShardWriter(C.ShardWriter):
     def write(self, sentence_index: int, states: np.ndarray) -> None:
         """states: (L', n, D) float16."""
         assert states.dtype == np.float16 and states.ndim == 3
-        self._f.write(memoryview(np.ascontiguousarray(states)).cast("B"))
+        self._put(states)
         self._rows.append((sentence_index, self._offset, states.shape[1]))
         self._offset += states.size
 
@@ -86,7 +88,8 @@ class RepresentationCache(C.AttentionCache):
         nbytes = 2 * count * block
         buf = os.pread(self._fds[shard], nbytes, 2 * (offset + first * block))
         if len(buf) != nbytes:
-            raise OSError(f"{self.path / self.manifest['shards'][shard]}: truncated at sentence {i}")
+            raise C.CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
+                                 self.manifest.get("command") or C.build_command(self.manifest.get("key", {})))
         return np.frombuffer(buf, dtype=np.float16).reshape(count, n, self.dim)
 
     def __getitem__(self, i: int) -> np.ndarray:

@@ -121,26 +121,50 @@ def entry_path(encoder: Encoder, kind: CacheKind, source, settings: ExtractSetti
     return C.entry_dir(cache_dir, C.cache_key(encoder, source, kind, settings, precision), kind.folder)
 
 
+def intact(path: Path) -> bool:
+    """Whether the entry at ``path`` is complete and intact (:func:`probes.extract.cache.verify`, once per
+    process). A damaged entry is moved aside (:func:`probes.extract.cache.set_aside`, logged) under its build
+    lock, so that it is rebuilt, and False is returned."""
+    if not C.is_complete(path):
+        return False
+    try:
+        C.verify(path)
+        return True
+    except C.CacheDamaged as e:
+        log.warning("%s", e)
+    with C.build_lock(path) as missing:  # another process may be rebuilding it: look again under the lock
+        if missing:
+            return False
+        try:
+            C.verify(path, force=True)
+            return True
+        except C.CacheDamaged as e:
+            C.set_aside(path, f"{e.file} damaged")
+            return False
+
+
 def cached(encoder: Encoder, kind: CacheKind, source, settings: ExtractSettings | DictConfig | Mapping,
            cache_dir: str | Path) -> Path | None:
-    """The complete entry of ``source`` if it exists, found without loading the encoder's weights (None also
-    when ``precision=auto`` has not been measured on this machine yet)."""
+    """The complete, intact entry of ``source`` if it exists, found without loading the encoder's weights (None
+    also when ``precision=auto`` has not been measured on this machine yet, or when the entry was damaged:
+    it is then moved aside, see :func:`intact`)."""
     settings = ExtractSettings.from_config(settings)
     precision = settings.resolve_precision(encoder, cache_dir=cache_dir, lookup_only=True)
     if precision is None:
         return None
     path = entry_path(encoder, kind, source, settings, cache_dir, precision)
-    return path if C.is_complete(path) else None
+    return path if intact(path) else None
 
 
 def build(encoder: Encoder, kind: CacheKind, source, settings: ExtractSettings | DictConfig | Mapping,
           cache_dir: str | Path, words: list[list[str]] | None = None):
     """Read ``source``'s sentences (``words``: already read by the caller), resolve the precision on them, key
-    the entry and build it in this process unless it is complete; returns the kind's reader."""
+    the entry and build it in this process unless it is complete and intact; returns the kind's reader."""
     settings = ExtractSettings.from_config(settings)
     words = source.words() if words is None else words
     precision = settings.resolve_precision(encoder, sentences=words, cache_dir=cache_dir)
     key = C.cache_key(encoder, source, kind, settings, precision)
+    intact(C.entry_dir(cache_dir, key, kind.folder))  # a damaged entry is moved aside, then built again
     return kind.build(encoder, words, key, cache_dir, settings.make_trainer(precision), settings)
 
 
@@ -184,6 +208,8 @@ def _spawn(encoder_cfg: DictConfig | Mapping, kind: CacheKind, sources: list, se
                cache_dir=str(cache_dir), log_level=logging.getLogger().getEffectiveLevel())
     root = str(Path(__file__).resolve().parents[2])  # the folder holding the `probes` package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    splits = [s.split for s in sources if isinstance(s, TreebankSplit)]  # the entries' rebuild command (manifest)
+    env[C.COMMAND_ENV] = C.build_command(dict(split=",".join(splits) if splits else None))
     with tempfile.TemporaryDirectory(prefix=f"probes-{kind.folder}-") as tmp:
         payload, result = Path(tmp) / "request.pkl", Path(tmp) / "result.json"
         payload.write_bytes(pickle.dumps(req))

@@ -34,6 +34,7 @@ class ExtractSettings:
     max_length: int | None  # wordpieces incl. specials; None: the encoder's usable length
     long_sentences: str  # skip | error
     precision: str  # a Lightning precision, or auto (measured, :mod:`probes.extract.precision`)
+    precision_margin: float  # auto: the speed-up over 32-true another precision needs to be chosen
     maps: str  # the map kind, one of ``measures``
     measures: Mapping[str, Mapping[str, Any]]  # {kind: {_target_: ..., options}}
     max_tokens: int  # wordpieces per batch
@@ -72,7 +73,12 @@ class ExtractSettings:
         """The precision to extract with (:func:`probes.extract.precision.resolve_precision`: ``auto`` is
         measured on ``sentences``, or only looked up with ``lookup_only``, then None when not measured yet)."""
         return P.resolve_precision(self.precision, self.accelerator, encoder, sentences=sentences,
-                                   cache_dir=cache_dir, lookup_only=lookup_only)
+                                   cache_dir=cache_dir, lookup_only=lookup_only, margin=self.precision_margin)
+
+    def precision_record(self, encoder=None, cache_dir: str | Path | None = None) -> dict:
+        """What a run folder records about the precision (:func:`probes.extract.precision.record`: requested,
+        resolved, how it was decided, the measurement's timings and margin); measures and loads nothing."""
+        return P.record(self.precision, self.accelerator, encoder, cache_dir, margin=self.precision_margin)
 
     def make_trainer(self, precision: str) -> Callable[..., pl.Trainer]:
         """A partial Trainer constructor (``trainer`` node at ``precision``); the stage adds its callbacks."""

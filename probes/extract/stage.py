@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,32 +183,43 @@ def timing_batches(encoded: list[Encoded], max_length: int, tokens: int = 2048, 
     return [pool[k * per:(k + 1) * per] for k in range(n)]
 
 
-def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, tokens: int = 2048, repeats: int = 3,
-                    warmup: int = 1, from_words: str = "mean", to_words: str = "sum"
-                    ) -> Callable[[str], float] | None:
-    """``f(precision) -> seconds per token`` of :meth:`AttentionExtractor.predict_step` under that precision's
-    autocast, the median of ``repeats`` batches of ~``tokens`` pieces after ``warmup`` untimed ones
-    (the same batches for every precision). None when there are no sentences to time."""
-    batches = timing_batches(encoded, encoder.max_length, tokens, warmup + repeats)
+def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, tokens: int = 128,
+                    from_words: str = "mean", to_words: str = "sum") -> Callable[[str], float] | None:
+    """``f(precision) -> seconds per token`` of one :meth:`AttentionExtractor.predict_step` under that precision's
+    autocast, on one batch of ~``tokens`` pieces from the sentences around the median length (the same batch at
+    every call, so that :func:`probes.extract.precision.measure` compares like with like). None when there
+    are no sentences to time.
+
+    On a CPU the batch runs on one thread and its CPU time is measured (``time.thread_time``): the time the
+    work itself takes, which other processes competing for the cores do not change (wall time with several
+    threads under load varies threefold, mostly threads waiting for each other). On a GPU: wall time
+    between two synchronisations."""
+    batches = timing_batches(encoded, encoder.max_length, tokens, 1)
     if not batches:
         return None
     pad_id = encoder.tokenizer.pad_token_id
-    inputs = [{k: v.to(device) for k, v in make_batch(b, list(range(len(b))), from_words, to_words,
-                                                      0 if pad_id is None else pad_id).items()} for b in batches]
+    batch = {k: v.to(device) for k, v in make_batch(batches[0], list(range(len(batches[0]))), from_words, to_words,
+                                                    0 if pad_id is None else pad_id).items()}
+    n_tokens = int(batch["attention_mask"].sum())
     ex = AttentionExtractor(encoder.model.to(device), encoder.num_layers)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def time_fn(precision: str) -> float:
-        per_token = []
-        with torch.inference_mode(), autocast(precision, device):
-            for j, batch in enumerate(inputs):
-                sync()
+        if device == "cuda":
+            with torch.inference_mode(), autocast(precision, device):
+                torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 ex.predict_step(batch)
-                sync()
-                if j >= warmup:
-                    per_token.append((time.perf_counter() - t0) / int(batch["attention_mask"].sum()))
-        return statistics.median(per_token)
+                torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / n_tokens
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode(), autocast(precision, device):
+                t0 = time.thread_time()
+                ex.predict_step(batch)
+                return (time.thread_time() - t0) / n_tokens
+        finally:
+            torch.set_num_threads(threads)
 
     return time_fn
 
