@@ -6,6 +6,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+import probes.resolvers  # noqa: F401  (${unique_now:...} in conf/hydra/default.yaml)
+
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))  # before the package reads it
 
 from probes.train import objective, run_ddp_rank, train  # noqa: E402

@@ -14,6 +14,8 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig
 
+import probes.resolvers  # noqa: F401  (${unique_now:...} in conf/hydra)
+
 # The repository root: conf/ and (by default) data/, logs/ and .cache/ live here.
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
