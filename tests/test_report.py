@@ -1,6 +1,7 @@
 """`python -m probes.report`: Table 3 and an analysis from real tiny runs, side-by-side encoders, provenance,
-the commands of what is not run yet, the README's Table 3 against the runs, and the page in headless Chromium."""
+the commands of what is not run yet, the README's Table 3 against the record of its runs, and the page in headless Chromium."""
 
+import csv
 import json
 import os
 import re
@@ -115,42 +116,89 @@ def test_cli_writes_into_the_first_path(runs):
     assert bad.returncode == 2 and "no such run folder" in bad.stderr
 
 
-def _readme_table3() -> dict[str, list[str]]:
-    text = (ROOT / "README.md").read_text()
+RECORD = ROOT / "docs" / "results" / "table3" / "summary.csv"  # the multirun's own summary.csv, copied as is
+TABLE3_PAGES = [ROOT / "README.md", ROOT / "docs" / "papers" / "clark.md"]
+HIDDEN_STATE_ROWS = {"table3_structural", "table3_hidden_directed"}  # trained apart, with their own settings
+
+
+def table3_rows(path: Path) -> dict[str, list[str]]:
+    """The Table 3 rows of a page, ``experiment -> [dev, test, test no punct., paper]`` as shown (bold and
+    footnote marks stripped): lines ``| label (`table3_x`) | ... |`` of its "Results: Clark et al. Table 3"
+    section."""
+    text = path.read_text()
+    assert "## Results: Clark et al. Table 3" in text, f"{path.name}: no Table 3 section"
     block = text.split("## Results: Clark et al. Table 3", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for ln in block.splitlines():
         m = re.match(r"\| .*\(`(table3_\w+)`\) \|(.*)\|\s*$", ln)
         if m:
-            rows[m.group(1)] = [c.strip().strip("*") for c in m.group(2).split("|")]
+            rows[m.group(1)] = [c.strip().strip("*†") for c in m.group(2).split("|")]
     return rows
 
 
-def test_readme_table3_is_the_runs():
-    """The README's Table 3 (dev, test, test no punct., paper) equals the report built from logs/.
+def read_record(path: Path) -> dict[str, dict[str, str]]:
+    """A multirun's ``summary.csv`` (:func:`probes.summary.summarize`): ``experiment -> row``; the job column
+    holds the overrides that tell the jobs apart, among them ``experiment=<name>``."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for row in rows:
+        m = re.search(r"(?:^| )experiment=(\S+)", row["job"])
+        assert m, f"{path}: job {row['job']!r} names no experiment= override"
+        assert m.group(1) not in out, f"{path}: two jobs of {m.group(1)}"
+        out[m.group(1)] = row
+    return out
 
-    The runs live in logs/ (not in git): where the README's main job has not been run on this
-    machine, only the paper column is checked."""
-    from probes.report.build import build
-    from probes.report.runs import find_runs
 
-    readme = _readme_table3()
-    assert set(readme) == {r["experiment"] for r in TABLE3["experiments"]}
-    for row in TABLE3["experiments"]:
-        assert readme[row["experiment"]][-1] == str(row["paper"])
-    logs = ROOT / "logs"
-    # the default encoder, and its random-init copy for the random-init row
-    runs = [r for r in find_runs([logs]) if r.kind == "train" and r.encoder.startswith("all-MiniLM-L6-v2")
-            and r.data == "ud_english_ewt"] if logs.is_dir() else []
-    (sec,) = [s for _, secs in build(runs) for s in secs if s.key == "clark_table3"]
-    done = {e for (e, _, _) in sec.values}
-    if done != set(readme):
-        pytest.skip(f"the README's main job has not been run here (logs/ holds Table 3 rows {sorted(done)})")
+def table3_mismatches(shown: dict[str, list[str]], record: dict[str, dict[str, str]]) -> list[str]:
+    """Every way the shown Table 3 differs from the record of its runs (empty: they agree)."""
+    bad = [f"row {e} is in the record but not shown" for e in sorted(set(record) - set(shown))]
+    bad += [f"row {e} is shown but not in the record" for e in sorted(set(shown) - set(record) - HIDDEN_STATE_ROWS)]
     for row in TABLE3["experiments"]:
         e = row["experiment"]
-        (enc,) = {k[2] for k in sec.values if k[0] == e}
-        # a column the row has no metric for (the structural probe's no-punct. UAS) reads '-'
-        assert readme[e][:3] == [pct(sec.values[(e, c, enc)]) if (e, c, enc) in sec.values else "-" for c in COLS], e
+        if e not in record or e not in shown:
+            continue
+        rec = record[e]
+        if rec["status"] != "ok":
+            bad.append(f"{e}: the job's status is {rec['status']!r}")
+        want = [pct(float(rec[m])) if m and rec.get(m) else "-" for m in row.get("metrics", TABLE3["metrics"])]
+        if shown[e][:3] != want:
+            bad.append(f"{e}: shows {shown[e][:3]}, the runs gave {want}")
+        if rec.get("paper") and rec["paper"] != shown[e][-1]:
+            bad.append(f"{e}: shows the paper's {shown[e][-1]}, the experiment config says {rec['paper']}")
+    return bad
+
+
+def test_table3_comparison_finds_a_difference(tmp_path):
+    """The reader takes the summary as probes.summary writes it ('' for a metric a job lacks), and the
+    comparison reports a number that differs by one in the shown decimal, and a row the record lacks."""
+    path = tmp_path / "summary.csv"
+    path.write_text("job,val/uas_best,val/uuas_best,test/uas,test/uas_nopunct,test/uuas,status,paper\n"
+                    "experiment=table3_attn_only extract.precision=32-true,0.53,,0.52704,0.548,,ok,61\n"
+                    "experiment=table3_structural,,0.732,,,0.726,ok,80\n")
+    record = read_record(path)
+    assert set(record) == {"table3_attn_only", "table3_structural"}
+    shown = {"table3_attn_only": ["53.0", "52.7", "54.8", "61"], "table3_structural": ["73.2", "72.6", "-", "80"]}
+    assert table3_mismatches(shown, record) == []
+    assert table3_mismatches({**shown, "table3_attn_only": ["53.0", "52.8", "54.8", "61"]}, record) == \
+        ["table3_attn_only: shows ['53.0', '52.8', '54.8'], the runs gave ['53.0', '52.7', '54.8']"]
+    assert table3_mismatches({**shown, "table3_attn_glove": ["64.2", "63.9", "65.7", "77"]}, record) == \
+        ["row table3_attn_glove is shown but not in the record"]
+
+
+@pytest.mark.parametrize("page", TABLE3_PAGES, ids=lambda p: p.name)
+def test_table3_is_the_record_of_the_runs(page):
+    """Table 3 as the README and the Clark et al. page show it (dev, test, test no punct., paper) equals the
+    tracked record of the multirun that made it, docs/results/table3/summary.csv, number by number."""
+    assert RECORD.is_file(), (
+        f"{RECORD.relative_to(ROOT)} is missing: copy there the summary.csv of the multirun that made the table "
+        f"(python train.py -m 'experiment=glob(table3_*)')")
+    shown = table3_rows(page)
+    assert set(shown) == {r["experiment"] for r in TABLE3["experiments"]}, page.name
+    for row in TABLE3["experiments"]:
+        assert shown[row["experiment"]][-1] == str(row["paper"]), (page.name, row["experiment"])
+    bad = table3_mismatches(shown, read_record(RECORD))
+    assert not bad, f"{page.relative_to(ROOT)} against {RECORD.relative_to(ROOT)}:\n" + "\n".join(bad)
 
 
 def _browser() -> str:

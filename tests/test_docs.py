@@ -1,0 +1,156 @@
+"""The docs: the MkDocs site builds with warnings as errors, the README stays a landing page, every
+relative link in the README and the pages points to a file that exists, and the built index and API
+reference pages render in headless Chromium with their headings and API names."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+MAX_README_LINES = 300
+
+# [text](target) and ![alt](target), the target up to the first space or ')' (an optional "title" after it)
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+SNIPPET = re.compile(r'^--8<-- "([^"]+)"\s*$', re.M)  # pymdownx.snippets, paths from the repository root
+
+
+class _MkDocsLoader(yaml.SafeLoader):
+    """mkdocs.yml with MkDocs' own tags (``!relative``, ``!ENV``) read as None: only the nav is needed here."""
+
+
+_MkDocsLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks and inline code spans (links there are not links)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def relative_links(path: Path) -> list[str]:
+    """The relative link targets of a Markdown file (no scheme, not a bare #anchor), anchors dropped."""
+    out = []
+    for target in LINK.findall(_prose(path.read_text())):
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        out.append(target.split("#", 1)[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """`mkdocs build --strict` of this checkout into a temp folder; any warning fails the build."""
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                        str(ROOT / "mkdocs.yml"), "--site-dir", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{log[-4000:]}"
+    warnings = [ln for ln in log.splitlines() if re.match(r"^\s*(WARNING|ERROR)\b", ln)]
+    assert not warnings, "\n".join(warnings)
+    return out
+
+
+def test_site_builds_strict(site):
+    for page in ("index.html", "getting-started/index.html", "reference/api/index.html",
+                 "papers/clark/index.html", "howto/treebank/index.html"):
+        assert (site / page).is_file(), page
+    api = (site / "reference" / "api" / "index.html").read_text()
+    for name in ("probes.config.compose", "probes.analysis.context.AnalysisContext", "probes.model.load.load_encoder",
+                 "probes.measures.Measure"):
+        assert f'id="{name}"' in api, name  # mkdocstrings rendered the object from its docstring
+    # the figures the pages show are in the site, at the same place relative to the page's source
+    for page in _pages():
+        for target in relative_links(page):
+            if target.endswith(".png"):
+                assert (site / page.relative_to(DOCS).parent / target).resolve().is_file(), (page, target)
+
+
+def test_readme_is_a_landing_page():
+    text = README.read_text()
+    n = len(text.splitlines())
+    assert n <= MAX_README_LINES, f"README.md has {n} lines; at most {MAX_README_LINES} (move details to docs/)"
+    # the quick start comes before the main job, and the commands CI and users run are there as they are
+    assert text.index("python train.py experiment=smoke") < text.index("python train.py -m 'experiment=glob(table3_*)'")
+    assert "pip install torch==2.13.0 -e \".[dev]\"" in text
+    assert "PROBES_DATA_DIR=../shared/data WANDB_MODE=offline python -m pytest -q" in text
+    assert "mkdocs serve" in text
+
+
+def test_every_nav_page_exists_and_every_page_is_in_nav():
+    cfg = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_MkDocsLoader)
+
+    def walk(node):
+        for item in node:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            yield from walk(value) if isinstance(value, list) else [value]
+
+    nav = set(walk(cfg["nav"]))
+    assert all((DOCS / p).is_file() for p in nav), sorted(p for p in nav if not (DOCS / p).is_file())
+    assert nav == {str(p.relative_to(DOCS)) for p in _pages()}
+
+
+@pytest.mark.parametrize("path", [README, *_pages()], ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_to_files(path):
+    missing = [t for t in relative_links(path) if not (path.parent / t).exists()]
+    missing += [s for s in SNIPPET.findall(path.read_text()) if not (ROOT / s).is_file()]
+    assert not missing, f"{path.relative_to(ROOT)}: links to missing files {missing}"
+
+
+def test_link_check_sees_a_broken_link(tmp_path):
+    """The checker itself: a link to a missing file is found, code spans and URLs are not links."""
+    md = tmp_path / "page.md"
+    md.write_text("[ok](page.md) ![fig](figures/none.png) `[not](a-link.md)` [web](https://x.org/y.md) [a](#top)\n"
+                  "```\n[code](block.md)\n```\n")
+    assert relative_links(md) == ["page.md", "figures/none.png"]
+
+
+def _browser() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    why = "apt-get is not available on this machine" if not shutil.which("apt-get") else \
+        "install the Debian package `chromium` (.ci/run does)"
+    if os.environ.get("PROBES_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"PROBES_REQUIRE_BROWSER=1 but no chromium on PATH ({why})")
+    pytest.skip(f"no headless browser: chromium not installed ({why})")
+
+
+@pytest.mark.parametrize("page, heading, names", [
+    ("index.html", "Where to start", ["Getting started", "Clark et al. 2019"]),
+    ("reference/api/index.html", "API reference", ["AnalysisContext", "load_encoder", "compose"]),
+])
+def test_site_renders_in_chromium(site, tmp_path, page, heading, names):
+    browser = _browser()
+    url = (site / page).as_uri()
+    base = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars"]
+    png = tmp_path / "page.png"
+    shot = subprocess.run(base + [f"--screenshot={png}", "--window-size=1280,1200", url],
+                          capture_output=True, text=True, timeout=180)
+    assert png.exists(), shot.stderr[-2000:]
+    img = mpimg.imread(png)  # (H, W, 3|4) floats in [0, 1]
+    assert img.shape[:2] == (1200, 1280)
+    rgb = img[..., :3]
+    dark = (rgb.mean(-1) < 0.5).mean()  # text, the header bar
+    assert 0.005 < dark < 0.9 and rgb.std() > 0.05, f"{page} looks blank (dark share {dark:.4f}, std {rgb.std():.4f})"
+    dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=180)
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom.stdout))
+    assert heading in text, f"{page}: heading {heading!r} not in the rendered page"
+    for name in names:
+        assert name in text, f"{page}: {name!r} not in the rendered page"
