@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,16 @@ def chain_overrides(data_dir: Path, tmp_path: Path) -> list[str]:
 def compose_train(overrides: list[str]):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
+
+
+def find_browser() -> str:
+    """The headless browser on PATH; without one the test fails when ``PROBES_REQUIRE_BROWSER=1`` (CI), else
+    it is skipped with the reason."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    why = "apt-get is not available on this machine" if not shutil.which("apt-get") else \
+        "install the Debian package `chromium` (.ci/run does)"
+    if os.environ.get("PROBES_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"PROBES_REQUIRE_BROWSER=1 but no chromium on PATH ({why})")
+    pytest.skip(f"no headless browser: chromium not installed ({why})")

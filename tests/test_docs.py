@@ -4,7 +4,6 @@ reference pages render in headless Chromium with their headings and API names.""
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import matplotlib.image as mpimg
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, find_browser
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -120,23 +119,12 @@ def test_link_check_sees_a_broken_link(tmp_path):
     assert relative_links(md) == ["page.md", "figures/none.png"]
 
 
-def _browser() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
-    why = "apt-get is not available on this machine" if not shutil.which("apt-get") else \
-        "install the Debian package `chromium` (.ci/run does)"
-    if os.environ.get("PROBES_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"PROBES_REQUIRE_BROWSER=1 but no chromium on PATH ({why})")
-    pytest.skip(f"no headless browser: chromium not installed ({why})")
-
-
 @pytest.mark.parametrize("page, heading, names", [
     ("index.html", "Where to start", ["Getting started", "Clark et al. 2019"]),
     ("reference/api/index.html", "API reference", ["AnalysisContext", "load_encoder", "compose"]),
 ])
 def test_site_renders_in_chromium(site, tmp_path, page, heading, names):
-    browser = _browser()
+    browser = find_browser()
     url = (site / page).as_uri()
     base = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars"]

@@ -5,7 +5,6 @@ import csv
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from omegaconf import OmegaConf
 
 from probes.report.build import load_papers, pct
 from probes.report.provenance import git_commit
-from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, write_chain_treebank
+from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, find_browser, write_chain_treebank
 
 TABLE3 = next(s for p in load_papers() for s in p["sections"] if s["key"] == "clark_table3")
 COLS = TABLE3["columns"]
@@ -201,20 +200,9 @@ def test_table3_is_the_record_of_the_runs(page):
     assert not bad, f"{page.relative_to(ROOT)} against {RECORD.relative_to(ROOT)}:\n" + "\n".join(bad)
 
 
-def _browser() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
-    why = "apt-get is not available on this machine" if not shutil.which("apt-get") else \
-        "install the Debian package `chromium` (.ci/run does)"
-    if os.environ.get("PROBES_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"PROBES_REQUIRE_BROWSER=1 but no chromium on PATH ({why})")
-    pytest.skip(f"no headless browser: chromium not installed ({why})")
-
-
 @pytest.mark.slow
 def test_report_renders_in_chromium(runs, tmp_path):
-    browser = _browser()
+    browser = find_browser()
     from probes.report import write_report
 
     _, html = write_report([runs / "sweep", runs / "analysis"], tmp_path / "out")

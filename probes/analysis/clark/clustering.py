@@ -42,7 +42,6 @@ import pandas as pd
 import torch
 from sklearn.manifold import MDS
 
-from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.clark.head_stats import encode_inputs, fitting, separator_positions, sequence_attention
 from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, punct_positions, smooth
 from probes.analysis.naming import head_name

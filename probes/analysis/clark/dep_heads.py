@@ -57,7 +57,6 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.clark.metrics import DIRECTIONS, DepAccumulator
 from probes.analysis.naming import head_name
 

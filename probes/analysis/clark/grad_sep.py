@@ -49,7 +49,6 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.clark.metrics import is_period_comma, piece_strings
 from probes.data.glue import read_glue
 from probes.model import hooks

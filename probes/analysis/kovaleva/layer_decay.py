@@ -29,7 +29,6 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.kovaleva.common import glue_batches, load_checkpoint
 from probes.analysis.kovaleva.finetune_cosine import attention_cosine
 from probes.model.layers import parameter_layers

@@ -48,7 +48,6 @@ import pandas as pd
 from omegaconf import OmegaConf
 from scipy.optimize import nnls
 
-from probes.analysis import plots  # noqa: F401  (sets the Agg backend)
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
 from probes.data.glue import read_glue, task_spec

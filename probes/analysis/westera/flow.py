@@ -50,7 +50,6 @@ import torch
 from scipy.stats import pearsonr, spearmanr
 from tqdm import tqdm
 
-from probes.analysis import plots  # noqa: F401  (Agg backend)
 from probes.measures.gradflow import gradient_flow
 from probes.model.inputs import encode_words, pooling_matrix
 

@@ -53,7 +53,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.analysis import plots  # noqa: F401  (Agg backend)
 from probes.analysis.stats import ols
 from probes.analysis.westera import original as W
 from probes.analysis.westera.flow import select_sentences, sentence_flow
