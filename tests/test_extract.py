@@ -322,7 +322,12 @@ def test_cache_keys_are_those_of_existing_caches(tmp_path):
     assert name(AttentionMaps(), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-1baccda766a00fb2"
     assert name(AttentionMaps(), TreebankSplit(tb, "dev", 1), s) == "tiny-bert-6dbe4a76e6ed-pin-dev-83ab0f4b04c9285b"
     assert name(AttentionMaps(), dev, s.replace(maps="rollout")) == "tiny-bert-6dbe4a76e6ed-pin-dev-db8e289c485e51d4"
+    # flow: the key of the default measure node since its capacities are scaled by 1e9 (1e6 before: the maps
+    # changed, so the entries were meant to be rebuilt; the 1e6 node still gives the old name)
     assert name(AttentionMaps(), dev, s.replace(maps="flow", max_length=20), "bf16-mixed") == \
+        "tiny-bert-6dbe4a76e6ed-pin-dev-5b04554d9e0c4bc5"
+    old_flow = dict(s.measures, flow=dict(s.measures["flow"], scale=1000000))
+    assert name(AttentionMaps(), dev, s.replace(maps="flow", max_length=20, measures=old_flow), "bf16-mixed") == \
         "tiny-bert-6dbe4a76e6ed-pin-dev-293c96e0c1bbf4e3"
     assert name(HiddenStates(None, "mean"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-e03b4acb4cc7a40f"
     assert name(HiddenStates((2, 0), "first"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-16ae26af8b32ca2f"
