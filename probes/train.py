@@ -130,7 +130,11 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
         return metrics
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
-    write_provenance(out)  # commit, machine, command: every run, with or without a logger
+    # commit, machine, command, environment and what the run read: every run, with or without a logger
+    inputs = dict(data_dir=str(cfg.paths.data_dir), cache_dir=str(cfg.paths.cache_dir))
+    if hasattr(datamodule, "provenance"):
+        inputs.update(datamodule.provenance())
+    write_provenance(out, inputs)
     rows = [[k, v] for k, v in sorted(metrics.items()) if isinstance(v, float)]
     for lg in loggers:
         if hasattr(lg, "log_table"):

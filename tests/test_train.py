@@ -1,7 +1,9 @@
+import hashlib
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,18 @@ def test_train_writes_metrics_and_predictions(probe, chain_data, tmp_path):
     assert saved == metrics
     prov = json.loads((tmp_path / "out" / "provenance.json").read_text())  # written with logger=none too
     assert {"commit", "machine", "command"} <= set(prov) and prov["machine"]
+    assert set(prov["environment"]) >= {"PROBES_DATA_DIR", "PROBES_CACHE_DIR"}
+    inputs = prov["inputs"]  # what the run read: data files with their sha256, cache entries with their keys
+    assert Path(inputs["cache_dir"]) == Path(cfg.paths.cache_dir) and inputs["data_dir"] == str(cfg.paths.data_dir)
+    for split in ("train", "dev", "test"):
+        f = inputs["data_files"][split]
+        assert f["sha256"] == hashlib.sha256(Path(f["path"]).read_bytes()).hexdigest()
+    assert set(inputs["caches"]) == {"train", "val", "test"}
+    for stage, split in (("train", "train"), ("val", "dev"), ("test", "test")):
+        entry = inputs["caches"][stage]
+        assert Path(entry["path"]).is_dir() and Path(entry["path"]).parent.parent == Path(cfg.paths.cache_dir)
+        assert entry["key"]["data_sha256"] == inputs["data_files"][split]["sha256"]
+        assert entry["key"]["precision"] and entry["key"]["encoder"]
     for k in ("val/uas", "val/uas_best", "test/uas", "test/uas_nopunct", "train/loss"):
         assert 0.0 <= saved[k] <= (1.0 if "uas" in k else 100.0), k
     hp = torch.load(saved["best_checkpoint"], map_location="cpu", weights_only=False)["hyper_parameters"]

@@ -1,4 +1,6 @@
-"""What produced a run: commit, machine, command. Written as ``provenance.json`` into the run folder.
+"""What produced a run and what it read: commit, machine, command, the environment variables that set the data
+and cache folders, and (training runs) the data files with their sha256 and the cache entries with their keys
+(encoder and weights fingerprint, data sha256, precision). Written as ``provenance.json`` into the run folder.
 
 Training runs get it from the wandb logger (``conf/logger/wandb.yaml``), analyses from their context.
 :func:`read_provenance` also reads older run folders: ``provenance.json``, else the environment
@@ -24,6 +26,9 @@ from probes.io import atomic_write_text
 from probes.report.wandb_files import read_run
 
 FILE = "provenance.json"
+# Environment variables that decide what a run reads or where it writes.
+ENV_VARS = ("PROBES_DATA_DIR", "PROBES_CACHE_DIR", "PROJECT_ROOT", "WANDB_MODE", "CUDA_VISIBLE_DEVICES",
+            "OMP_NUM_THREADS")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -89,7 +94,8 @@ def collect() -> dict[str, Any]:
     """Provenance of the current process (and Hydra job, if any)."""
     command, launched = job_command()
     return dict(commit=git_commit(), machine=machine(), command=command, launched_by=launched,
-                started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                environment={v: os.environ.get(v) for v in ENV_VARS})
 
 
 def readable(path: Path) -> Path:
@@ -100,9 +106,13 @@ def readable(path: Path) -> Path:
     return path
 
 
-def write_provenance(folder: str | os.PathLike) -> Path:
-    """Write :func:`collect` to ``<folder>/provenance.json`` (atomic)."""
-    return readable(atomic_write_text(Path(folder) / FILE, json.dumps(collect(), indent=1, sort_keys=True)))
+def write_provenance(folder: str | os.PathLike, inputs: dict[str, Any] | None = None) -> Path:
+    """Write :func:`collect` to ``<folder>/provenance.json`` (atomic); ``inputs``: what the run read (the
+    training entry passes the data folders, data files and cache entries), kept under ``"inputs"``."""
+    record = collect()
+    if inputs:
+        record["inputs"] = inputs
+    return readable(atomic_write_text(Path(folder) / FILE, json.dumps(record, indent=1, sort_keys=True, default=str)))
 
 
 def read_provenance(run_dir: str | os.PathLike) -> dict[str, Any]:

@@ -193,6 +193,15 @@ class TreebankDataModule(pl.LightningDataModule):
         """Cache sizes on disk (MB), reported next to the run's peak RSS."""
         return {f"data/{stage}_cache_mb": d.cache.manifest["bytes"] / 2**20 for stage, d in self.data.items()}
 
+    def provenance(self) -> dict[str, Any]:
+        """What this datamodule read: the treebank's files (path, sha256) and every split's cache entry (path and
+        key: encoder and weights fingerprint, data sha256, pooling, precision)."""
+        files = {split: dict(path=str(self.treebank.path(split)), sha256=self.treebank.file_sha256(split))
+                 for split in self.splits.values()}
+        caches = {stage: dict(path=str(d.cache.path), key=d.cache.manifest.get("key"))
+                  for stage, d in self.data.items()}
+        return dict(dataset=self.name, data_files=files, cache_dir=str(self.cache_dir), caches=caches)
+
     def sentences(self, stage: str) -> list[Sentence]:
         """The full sentences of ``stage`` (kept for the stages in ``keep_sentences`` only)."""
         if self.data[stage].sentences is None:
