@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -62,24 +63,63 @@ class _Block:
         self.range_end = 0
 
 
-def read_conllu(path: str | os.PathLike) -> list[Sentence]:
+def _tree_problem(heads: Sequence[int], lines: Sequence[int]) -> tuple[int, str] | None:
+    """``(line, problem)`` when ``heads`` (1-based, 0 = root, each in range and not its own) do not form one
+    tree: no root, a second root, or a cycle; None when they do."""
+    roots = [i for i, h in enumerate(heads) if h == 0]  # 0-based words
+    if not roots:
+        return lines[0], "sentence has no root (no word with HEAD 0)"
+    if len(roots) > 1:
+        return lines[roots[1]], (f"sentence has {len(roots)} roots (words {', '.join(str(i + 1) for i in roots)} "
+                                 f"have HEAD 0); expected exactly one")
+    state = [0] * (len(heads) + 1)  # per word (1-based): 0 unseen, 1 on the current path, 2 reaches the root
+    state[0] = 2
+    for i in range(1, len(heads) + 1):
+        path, j = [], i
+        while state[j] == 0:
+            state[j] = 1
+            path.append(j)
+            j = heads[j - 1]
+        if state[j] == 1:
+            cycle = path[path.index(j):]
+            return lines[j - 1], f"cycle in the heads: words {' -> '.join(map(str, cycle + [j]))}"
+        for k in path:
+            state[k] = 2
+    return None
+
+
+def read_conllu(path: str | os.PathLike, trees: bool = True) -> list[Sentence]:
     """Read and validate a CoNLL-U file into sentences.
 
+    Every word line has 10 columns, word ids are consecutive from 1, every HEAD is in 0..n and not the word
+    itself; with ``trees``, the words of every annotated sentence also form one tree (exactly one word with
+    HEAD 0, no cycle). A sentence whose DEPRELs are all ``_`` carries no tree (as :func:`sentence_from_words`
+    writes it) and is not checked as one.
+
     Args:
-        path: The ``.conllu`` file.
+        path: The ``.conllu`` file (UTF-8).
+        trees: Check that each sentence is a tree; False for files of predicted heads (a probe's argmax heads
+            need not form trees).
 
     Returns:
         One :class:`Sentence` per block, in file order (multiword-token lines and empty nodes left out).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ConlluError: A malformed line; the message starts with ``path:line:``.
+        ConlluError: A malformed line or a byte that is not UTF-8; the message starts with ``path:line:``.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"CoNLL-U file not found: {path}")
-    with open(path, encoding="utf-8-sig") as f:
-        raw = f.read().splitlines()
+    data = path.read_bytes()
+    data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+    try:
+        raw = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        col = e.start - data.rfind(b"\n", 0, e.start)
+        raise ConlluError(f"{path}:{lineno}: byte {data[e.start:e.start + 1]!r} at column {col} is not UTF-8 "
+                          f"({e.reason}); CoNLL-U files are UTF-8") from None
 
     out: list[Sentence] = []
     doc_id: str | None = None
@@ -99,6 +139,11 @@ def read_conllu(path: str | os.PathLike) -> list[Sentence]:
                 raise err(ln, f"HEAD {h} out of range 0..{n}")
             if h == i:
                 raise err(ln, f"word {i} is its own head")
+        if trees and any(d != "_" for d in b.deprels):
+            problem = _tree_problem(b.heads, b.head_lines)
+            if problem is not None:
+                raise err(problem[0], f"{problem[1]} (sentence starting at line {b.start}"
+                                      f"{'' if b.sent_id is None else ', sent_id ' + b.sent_id})")
         out.append(Sentence(
             sent_id=b.sent_id, text=b.text, words=tuple(b.words), upos=tuple(b.upos), xpos=tuple(b.xpos),
             heads=tuple(b.heads), deprels=tuple(b.deprels), misc=tuple(b.misc),
