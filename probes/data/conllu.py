@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from probes.io import atomic_write_text
 
 __all__ = ["ConlluError", "Sentence", "read_conllu", "read_text", "sentence_from_words", "write_conllu_with_heads"]
@@ -120,8 +122,12 @@ def read_conllu(path: str | os.PathLike, trees: bool = True) -> list[Sentence]:
         col = e.start - data.rfind(b"\n", 0, e.start)
         raise ConlluError(f"{path}:{lineno}: byte {data[e.start:e.start + 1]!r} at column {col} is not UTF-8 "
                           f"({e.reason}); CoNLL-U files are UTF-8") from None
+    del data
 
     out: list[Sentence] = []
+    checked: list[int] = []  # annotated sentences (index in out): checked as trees after the last block
+    sizes: list[int] = []  # their numbers of words
+    flat_heads: list[int] = []  # their HEAD columns, one after the other
     doc_id: str | None = None
     blk: _Block | None = None
 
@@ -139,11 +145,10 @@ def read_conllu(path: str | os.PathLike, trees: bool = True) -> list[Sentence]:
                 raise err(ln, f"HEAD {h} out of range 0..{n}")
             if h == i:
                 raise err(ln, f"word {i} is its own head")
-        if trees and any(d != "_" for d in b.deprels):
-            problem = _tree_problem(b.heads, b.head_lines)
-            if problem is not None:
-                raise err(problem[0], f"{problem[1]} (sentence starting at line {b.start}"
-                                      f"{'' if b.sent_id is None else ', sent_id ' + b.sent_id})")
+        if trees and b.deprels.count("_") != n:  # annotated: checked as a tree after the last block
+            checked.append(len(out))
+            sizes.append(n)
+            flat_heads.extend(b.heads)
         out.append(Sentence(
             sent_id=b.sent_id, text=b.text, words=tuple(b.words), upos=tuple(b.upos), xpos=tuple(b.xpos),
             heads=tuple(b.heads), deprels=tuple(b.deprels), misc=tuple(b.misc),
@@ -207,7 +212,35 @@ def read_conllu(path: str | os.PathLike, trees: bool = True) -> list[Sentence]:
         blk.misc.append(cols[9])
     if blk is not None:
         finish(blk)
+    if checked:
+        k = _first_non_tree(flat_heads, sizes)
+        if k is not None:
+            sent = out[checked[k]]
+            lines = [sent.line_no + i for i, line in enumerate(sent.lines) if _is_word_line(line)]  # (n,)
+            line, problem = _tree_problem(sent.heads, lines)
+            raise err(line, f"{problem} (sentence starting at line {sent.line_no}"
+                            f"{'' if sent.sent_id is None else ', sent_id ' + sent.sent_id})")
     return out
+
+
+def _first_non_tree(heads: list[int], sizes: list[int]) -> int | None:
+    """The index of the first sentence whose heads do not form one tree, or None; ``heads`` are the sentences'
+    HEAD columns one after the other (each in 0..n, none its own word), ``sizes`` their word counts.
+
+    Vectorised: by pointer jumping every word reaches its root within ``log2(max n) + 1`` steps unless it
+    lies on (or under) a cycle."""
+    H = np.asarray(heads, dtype=np.int64)  # (N,) all words' heads
+    size = np.asarray(sizes, dtype=np.int64)  # (S,)
+    sid = np.repeat(np.arange(len(size)), size)  # (N,) each word's sentence
+    start = np.cumsum(size) - size  # (S,) first word of each sentence in H
+    total = len(H)
+    up = np.append(np.where(H == 0, total, start[sid] + H - 1), total)  # (N + 1,) parent; `total` = above the roots
+    for _ in range(int(size.max()).bit_length() + 1):
+        up = up[up]
+    roots = np.bincount(sid[H == 0], minlength=len(size))  # (S,)
+    stuck = np.bincount(sid[up[:total] != total], minlength=len(size))  # (S,) words that never reach a root
+    bad = (roots != 1) | (stuck > 0)  # (S,)
+    return int(np.argmax(bad)) if bad.any() else None
 
 
 def _is_word_line(line: str) -> bool:
