@@ -158,8 +158,9 @@ class TreebankDataModule(pl.LightningDataModule):
         read = self.read_splits()  # in this process, before any cache is built: bad input fails here
         caches = self.build_caches(list(read))
         loaded = {}
+        last = {split: stage for stage, split in self.splits.items()}  # the last stage that uses each split
         for stage, split in self.splits.items():
-            cache, sentences = caches[split], read[split]
+            cache, sentences = caches[split], read[split] if last[split] != stage else read.pop(split)
             self.check_cache(cache)
             indices = [i for i in range(len(sentences)) if i in cache]
             if len(indices) < len(sentences):
@@ -170,7 +171,6 @@ class TreebankDataModule(pl.LightningDataModule):
                           sentences=sentences if stage in self.keep_sentences else None)
             loaded[stage] = self.make_split(stage, split, sentences, common)
             del sentences
-        del read
         self.finish(loaded)
         self.data = loaded
         return loaded
