@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from probes.io import atomic_write_text
 
@@ -62,26 +65,69 @@ class _Block:
         self.range_end = 0
 
 
-def read_conllu(path: str | os.PathLike) -> list[Sentence]:
+def _tree_problem(heads: Sequence[int], lines: Sequence[int]) -> tuple[int, str] | None:
+    """``(line, problem)`` when ``heads`` (1-based, 0 = root, each in range and not its own) do not form one
+    tree: no root, a second root, or a cycle; None when they do."""
+    roots = [i for i, h in enumerate(heads) if h == 0]  # 0-based words
+    if not roots:
+        return lines[0], "sentence has no root (no word with HEAD 0)"
+    if len(roots) > 1:
+        return lines[roots[1]], (f"sentence has {len(roots)} roots (words {', '.join(str(i + 1) for i in roots)} "
+                                 f"have HEAD 0); expected exactly one")
+    state = [0] * (len(heads) + 1)  # per word (1-based): 0 unseen, 1 on the current path, 2 reaches the root
+    state[0] = 2
+    for i in range(1, len(heads) + 1):
+        path, j = [], i
+        while state[j] == 0:
+            state[j] = 1
+            path.append(j)
+            j = heads[j - 1]
+        if state[j] == 1:
+            cycle = path[path.index(j):]
+            return lines[j - 1], f"cycle in the heads: words {' -> '.join(map(str, cycle + [j]))}"
+        for k in path:
+            state[k] = 2
+    return None
+
+
+def read_conllu(path: str | os.PathLike, trees: bool = True) -> list[Sentence]:
     """Read and validate a CoNLL-U file into sentences.
 
+    Every word line has 10 columns, word ids are consecutive from 1, every HEAD is in 0..n and not the word
+    itself; with ``trees``, the words of every annotated sentence also form one tree (exactly one word with
+    HEAD 0, no cycle). A sentence whose DEPRELs are all ``_`` carries no tree (as :func:`sentence_from_words`
+    writes it) and is not checked as one.
+
     Args:
-        path: The ``.conllu`` file.
+        path: The ``.conllu`` file (UTF-8).
+        trees: Check that each sentence is a tree; False for files of predicted heads (a probe's argmax heads
+            need not form trees).
 
     Returns:
         One :class:`Sentence` per block, in file order (multiword-token lines and empty nodes left out).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ConlluError: A malformed line; the message starts with ``path:line:``.
+        ConlluError: A malformed line or a byte that is not UTF-8; the message starts with ``path:line:``.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"CoNLL-U file not found: {path}")
-    with open(path, encoding="utf-8-sig") as f:
-        raw = f.read().splitlines()
+    data = path.read_bytes()
+    data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+    try:
+        raw = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        col = e.start - data.rfind(b"\n", 0, e.start)
+        raise ConlluError(f"{path}:{lineno}: byte {data[e.start:e.start + 1]!r} at column {col} is not UTF-8 "
+                          f"({e.reason}); CoNLL-U files are UTF-8") from None
+    del data
 
     out: list[Sentence] = []
+    checked: list[int] = []  # annotated sentences (index in out): checked as trees after the last block
+    sizes: list[int] = []  # their numbers of words
+    flat_heads: list[int] = []  # their HEAD columns, one after the other
     doc_id: str | None = None
     blk: _Block | None = None
 
@@ -99,6 +145,10 @@ def read_conllu(path: str | os.PathLike) -> list[Sentence]:
                 raise err(ln, f"HEAD {h} out of range 0..{n}")
             if h == i:
                 raise err(ln, f"word {i} is its own head")
+        if trees and b.deprels.count("_") != n:  # annotated: checked as a tree after the last block
+            checked.append(len(out))
+            sizes.append(n)
+            flat_heads.extend(b.heads)
         out.append(Sentence(
             sent_id=b.sent_id, text=b.text, words=tuple(b.words), upos=tuple(b.upos), xpos=tuple(b.xpos),
             heads=tuple(b.heads), deprels=tuple(b.deprels), misc=tuple(b.misc),
@@ -162,7 +212,35 @@ def read_conllu(path: str | os.PathLike) -> list[Sentence]:
         blk.misc.append(cols[9])
     if blk is not None:
         finish(blk)
+    if checked:
+        k = _first_non_tree(flat_heads, sizes)
+        if k is not None:
+            sent = out[checked[k]]
+            lines = [sent.line_no + i for i, line in enumerate(sent.lines) if _is_word_line(line)]  # (n,)
+            line, problem = _tree_problem(sent.heads, lines)
+            raise err(line, f"{problem} (sentence starting at line {sent.line_no}"
+                            f"{'' if sent.sent_id is None else ', sent_id ' + sent.sent_id})")
     return out
+
+
+def _first_non_tree(heads: list[int], sizes: list[int]) -> int | None:
+    """The index of the first sentence whose heads do not form one tree, or None; ``heads`` are the sentences'
+    HEAD columns one after the other (each in 0..n, none its own word), ``sizes`` their word counts.
+
+    Vectorised: by pointer jumping every word reaches its root within ``log2(max n) + 1`` steps unless it
+    lies on (or under) a cycle."""
+    H = np.asarray(heads, dtype=np.int64)  # (N,) all words' heads
+    size = np.asarray(sizes, dtype=np.int64)  # (S,)
+    sid = np.repeat(np.arange(len(size)), size)  # (N,) each word's sentence
+    start = np.cumsum(size) - size  # (S,) first word of each sentence in H
+    total = len(H)
+    up = np.append(np.where(H == 0, total, start[sid] + H - 1), total)  # (N + 1,) parent; `total` = above the roots
+    for _ in range(int(size.max()).bit_length() + 1):
+        up = up[up]
+    roots = np.bincount(sid[H == 0], minlength=len(size))  # (S,)
+    stuck = np.bincount(sid[up[:total] != total], minlength=len(size))  # (S,) words that never reach a root
+    bad = (roots != 1) | (stuck > 0)  # (S,)
+    return int(np.argmax(bad)) if bad.any() else None
 
 
 def _is_word_line(line: str) -> bool:

@@ -26,6 +26,7 @@ Every parse error names the file and the 1-based line number.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,8 +209,14 @@ def read_glue(task: str, split: str, data_dir: str | Path) -> list[GlueExample]:
 
 def _read_file(task: str, path: Path, start_idx: int) -> list[GlueExample]:
     fmt = FORMATS[task]
-    with open(path, encoding="utf-8-sig", newline="") as f:   # utf-8-sig drops MRPC's BOM
-        text = f.read()
+    data = path.read_bytes()
+    data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data  # MRPC's header has a BOM
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise GlueFormatError(f"{path}:{lineno}: byte {data[e.start:e.start + 1]!r} is not UTF-8 "
+                              f"({e.reason})") from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -240,4 +247,7 @@ def _read_file(task: str, path: Path, start_idx: int) -> list[GlueExample]:
             out.append(fmt.parse(cols, row))
         except (ValueError, KeyError) as e:
             raise GlueFormatError(f"{where}: {e}") from None
+    if not out:
+        raise GlueFormatError(f"{path}: no examples (the file has {'only a header' if first else 'no rows'}); "
+                              f"GLUE {task} needs at least one row")
     return out

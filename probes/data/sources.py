@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from probes.data.conllu import Sentence, read_conllu
+from probes.data.conllu import ConlluError, Sentence, read_conllu
 
 __all__ = ["ChecksumError", "Treebank", "ensure_file", "sha256_file"]
 
@@ -195,8 +195,19 @@ class Treebank:
                            rel=f"{self.subdir}/{self.files[split]}", dataset=self.name)
 
     def read(self, split: str) -> list[Sentence]:
-        """The sentences of ``split`` (the file downloaded first if missing and allowed)."""
-        return read_conllu(self.ensure(split))
+        """The sentences of ``split`` (the file downloaded first if missing and allowed), checked as trees
+        (:func:`probes.data.conllu.read_conllu`).
+
+        Raises:
+            ConlluError: A malformed file (``path:line:``), or one with no sentence (naming the file and the
+                setting ``files.<split>``).
+        """
+        path = self.ensure(split)
+        sentences = read_conllu(path)
+        if not sentences:
+            raise ConlluError(f"{path}: no sentences: the {split} split of treebank {self.name!r} is empty "
+                              f"(files.{split}={self.files[split]!r}; command line: data.treebank.files.{split})")
+        return sentences
 
     def fetch(self) -> dict[str, Path]:
         """Ensure all splits are present."""

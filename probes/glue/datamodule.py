@@ -106,7 +106,8 @@ class GlueDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.dev_features is None:
             self.dev_features = tokenize(self.tokenizer, self.examples("dev"), self.max_length, self.regression)
-        if self.test_split != "dev" and stage in (None, "test") and self.test_features is None:
+        # the test split too, before training: a bad file is an error now, not after the last epoch
+        if self.test_split != "dev" and stage in (None, "fit", "test") and self.test_features is None:
             self.test_features = tokenize(self.tokenizer, self.examples(self.test_split), self.max_length,
                                           self.regression)
         if stage in (None, "fit") and self.train_features is None:

@@ -155,10 +155,12 @@ class TreebankDataModule(pl.LightningDataModule):
     def _load(self) -> dict[str, TreebankSplit]:
         if self.data:
             return self.data
-        caches = self.build_caches(list(self.splits.values()))
+        read = self.read_splits()  # in this process, before any cache is built: bad input fails here
+        caches = self.build_caches(list(read))
         loaded = {}
+        last = {split: stage for stage, split in self.splits.items()}  # the last stage that uses each split
         for stage, split in self.splits.items():
-            cache, sentences = caches[split], self.treebank.read(split)[:self.max_sentences.get(split)]
+            cache, sentences = caches[split], read[split] if last[split] != stage else read.pop(split)
             self.check_cache(cache)
             indices = [i for i in range(len(sentences)) if i in cache]
             if len(indices) < len(sentences):
@@ -172,6 +174,18 @@ class TreebankDataModule(pl.LightningDataModule):
         self.finish(loaded)
         self.data = loaded
         return loaded
+
+    def read_splits(self) -> dict[str, list[Sentence]]:
+        """Treebank split -> its first ``max_sentences`` sentences, each split read once and checked
+        (:meth:`probes.data.sources.Treebank.read`: trees, encoding, an empty file); an error names the file
+        and line or the setting, before any extraction or training."""
+        out = {}
+        for split in dict.fromkeys(self.splits.values()):
+            out[split] = self.treebank.read(split)[:self.max_sentences.get(split)]
+            if not out[split]:
+                raise ValueError(f"{self.name}: no {split} sentences to use: data.max_sentences.{split}="
+                                 f"{self.max_sentences.get(split)!r} ({self.treebank.path(split)})")
+        return out
 
     def _loader(self, stage: str, shuffle: bool) -> DataLoader:
         ds = self.dataset(stage)
