@@ -7,12 +7,14 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from probes.data.sources import Treebank, sha256_file
@@ -35,7 +37,9 @@ def _sweep_runs(base: Path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two Table 3 rows x two tiny encoders (one multirun), and head_stats on a tiny treebank."""
+    """Two Table 3 rows x two tiny encoders (one multirun); head_stats on a synthetic treebank in a folder named
+    like EWT's (``analysis``), on one's own CoNLL-U file (``analysis_chain``) and a copy of the first without
+    its provenance, as older code left it (``analysis_noprov``)."""
     t = tmp_path_factory.mktemp("report")
     (t / "data" / "chain").mkdir(parents=True)
     for split, n, seed in (("train", 60, 0), ("dev", 20, 1), ("test", 20, 2)):
@@ -48,14 +52,23 @@ def runs(tmp_path_factory):
         [sys.executable, "train.py", "-m", "experiment=table3_right_branching,table3_attn_only",
          "encoder=tiny,tiny_family", "trainer.max_epochs=1", f"hydra.sweep.dir={t / 'sweep'}", *over],
         cwd=ROOT, env=env, stdout=open(t / "train.log", "w"), stderr=subprocess.STDOUT)
-    analysis = subprocess.run(
-        [sys.executable, "-m", "probes.analyze", "analysis=head_stats", "encoder=tiny", "logger.use_wandb=false",
-         f"paths.data_dir={t / 'tiny'}", f"paths.cache_dir={t / 'acache'}", "data.treebank.download=false",
-         "extract.precision=32-true", f"hydra.run.dir={t / 'analysis'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    analyze = [sys.executable, "-m", "probes.analyze", "analysis=head_stats", "encoder=tiny", "logger.use_wandb=false",
+               f"paths.data_dir={t / 'tiny'}", f"paths.cache_dir={t / 'acache'}", "extract.precision=32-true"]
+    chain = subprocess.Popen(
+        [*analyze, "data=conllu", f"data.treebank.files.dev={t / 'data' / 'chain' / 'chain-dev.conllu'}",
+         f"hydra.run.dir={t / 'analysis_chain'}"], cwd=ROOT, env=env, stdout=open(t / "chain.log", "w"),
+        stderr=subprocess.STDOUT)
+    analysis = subprocess.run([*analyze, "data.treebank.download=false", f"hydra.run.dir={t / 'analysis'}"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert analysis.returncode == 0, analysis.stderr[-3000:]
+    assert chain.wait(timeout=600) == 0, (t / "chain.log").read_text()[-3000:]
     assert train.wait(timeout=600) == 0, (t / "train.log").read_text()[-3000:]
+    shutil.copytree(t / "analysis", t / "analysis_noprov")
+    (t / "analysis_noprov" / "provenance.json").unlink()
     return t
+
+
+ANALYSES = ("analysis", "analysis_chain", "analysis_noprov")
 
 
 def test_papers_file_is_the_experiments_paper_values():
@@ -208,7 +221,7 @@ def test_every_run_shown_grouped_newest_first_labelled_from_provenance(tmp_path)
 
 @pytest.mark.slow
 def test_report_from_runs(runs, tmp_path):
-    md_path, html_path = write_report([runs / "sweep", runs / "analysis"], tmp_path / "out")
+    md_path, html_path = write_report([runs / "sweep", *(runs / a for a in ANALYSES)], tmp_path / "out")
     md, html = md_path.read_text(), html_path.read_text()
     header, rows = _md_rows(md, TABLE3["what"])
     jobs = _sweep_runs(runs / "sweep")
@@ -228,11 +241,39 @@ def test_report_from_runs(runs, tmp_path):
     # provenance: the job's own command, the commit, the machine
     assert "python train.py experiment=table3_attn_only encoder=tiny" in md
     assert git_commit()[:12] in md
-    # the analysis: its layer table, its figures embedded in the page, side by side with nothing missing
-    head_stats = md.split("### Figures 1, 2 and 4", 1)[1].split("\n### ", 1)[0]
-    assert "| stat | layer 1 | layer 2 | paper |" in head_stats
-    assert "head_stats_heatmaps" in html and html.count("data:image/png;base64,") >= 2
-    assert "<img" in html and 'src="' not in html.replace("src='data:", "")  # no file links in the page
+    # every training run listed with what it read: the chain files and their digests (the config says data=ewt
+    # with data.name=chain: neither labels it), the weights fingerprint and precision of the cache entries read
+    tiny = instantiate(OmegaConf.load(ROOT / "conf" / "encoder" / "tiny.yaml"))
+    train_rows = _runs_table(_md_block(md, TABLE3["what"]))
+    assert sorted(Path(r["run folder"]).name for r in train_rows) == sorted(j.name for j in jobs)
+    assert all(r["run"] == "shown above" for r in train_rows) and len({r["group"] for r in train_rows}) == 4
+    digests = {s: sha256_file(runs / "data" / "chain" / f"chain-{s}.conllu")[:8] for s in ("train", "dev", "test")}
+    for r in train_rows:
+        assert r["data read"] == "chain/{" + ", ".join(f"chain-{s}.conllu@{d}" for s, d in digests.items()) + "}"
+        assert r["data dir"] == str(runs / "data") and r["precision"] == "32-true"
+        assert r["weights"] != UNKNOWN and (r["weights"] == tiny.fingerprint) == (r["encoder"] == "tiny")
+    # the analyses: each treebank read is its own column block, the synthetic one in a folder named like EWT's
+    # labelled by its file and digest (not as EWT, not as pinned), the one without provenance as unknown
+    prov = json.loads((runs / "analysis" / "provenance.json").read_text())
+    ewt_like = runs / "tiny" / "ud_english_ewt" / "en_ewt-ud-dev.conllu"
+    assert prov["inputs"]["data_files"] == {"dev": dict(path=str(ewt_like), sha256=sha256_file(ewt_like))}
+    assert prov["inputs"]["encoder"] == dict(name=tiny.name, fingerprint=tiny.fingerprint)
+    head_stats = _md_block(md, "Figures 1, 2 and 4 (§3): attention to [CLS], [SEP] and punctuation, offsets, "
+                               "entropy; layer means")
+    a_rows = {Path(r["run folder"]).name: r for r in _runs_table(head_stats)}
+    assert set(a_rows) == set(ANALYSES) and all(r["run"] == "shown above" for r in a_rows.values())
+    assert a_rows["analysis"]["data read"] == f"ud_english_ewt/en_ewt-ud-dev.conllu@{sha256_file(ewt_like)[:8]}"
+    chain_dev = runs / "data" / "chain" / "chain-dev.conllu"
+    assert a_rows["analysis_chain"]["data read"] == f"{chain_dev}@{sha256_file(chain_dev)[:8]}"
+    assert a_rows["analysis_noprov"]["data read"] == a_rows["analysis_noprov"]["weights"] == UNKNOWN
+    assert a_rows["analysis"]["weights"] == a_rows["analysis_chain"]["weights"] == tiny.fingerprint
+    assert "pinned" not in head_stats
+    for data in (f"en_ewt-ud-dev.conllu@{sha256_file(ewt_like)[:8]}", f"chain-dev.conllu@{sha256_file(chain_dev)[:8]}",
+                 UNKNOWN):  # its layer table per treebank read, side by side
+        assert f"| layer 1 (tiny · {data}) | layer 2 (tiny · {data}) |" in head_stats
+    # its figures embedded in the page, with no file links
+    assert "head_stats_heatmaps" in html and html.count("data:image/png;base64,") >= 2 * len(ANALYSES)
+    assert "<img" in html and 'src="' not in html.replace("src='data:", "")
     # what has not run is listed with its command
     assert "Not run yet: `python -m probes.analyze analysis=dep_heads`" in md
     assert "python -m probes.analyze analysis=coref_heads" in md.split("## Not run yet", 1)[1]
@@ -337,7 +378,7 @@ def test_table3_is_the_record_of_the_runs(page):
 @pytest.mark.slow
 def test_report_renders_in_chromium(runs, tmp_path):
     browser = find_browser()
-    _, html = write_report([runs / "sweep", runs / "analysis"], tmp_path / "out")
+    _, html = write_report([runs / "sweep", *(runs / a for a in ANALYSES)], tmp_path / "out")
     base = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars"]
     png = tmp_path / "page.png"
@@ -357,4 +398,4 @@ def test_report_renders_in_chromium(runs, tmp_path):
         metrics = json.loads((job / "metrics.json").read_text())
         for m in TABLE3["metrics"]:
             assert f" {pct(metrics[m])} " in text, (job, m)
-    assert dom.stdout.count("<img") == len(np.unique([p.name for p in (runs / "analysis").glob("*.png")]))
+    assert dom.stdout.count("<img") == sum(len(np.unique([p.name for p in (runs / a).glob("*.png")])) for a in ANALYSES)

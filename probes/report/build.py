@@ -47,7 +47,8 @@ def pct(v) -> str:
 
 
 def _columns(runs: list[Run], base: bool = False) -> dict[str, list[Run]]:
-    """Runs by column: the encoder (``base``: without the random-init mark) and the data read; the label is
+    """Runs by column (in the order of the labels): the encoder (``base``: without the random-init mark) and
+    the data read; the label is
     the encoder's name, with the files read (names @ sha256) where one encoder read several sets (they are
     never merged)."""
     enc = (lambda r: r.base_encoder) if base else (lambda r: r.encoder)  # noqa: E731
@@ -55,7 +56,7 @@ def _columns(runs: list[Run], base: bool = False) -> dict[str, list[Run]]:
     for r in newest_first(runs):
         datas.setdefault(enc(r), {})[r.label.data_key] = None
     out: dict[str, list[Run]] = {}
-    for r in newest_first(runs):
+    for r in sorted(newest_first(runs), key=lambda r: (enc(r), r.label.data_short)):  # columns by name
         label = enc(r) if len(datas[enc(r)]) == 1 else f"{enc(r)} · {r.label.data_short}"
         out.setdefault(label, []).append(r)
     return out

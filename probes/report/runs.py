@@ -22,6 +22,7 @@ from probes.config import CONF_DIR
 from probes.report.provenance import read_provenance
 
 UNKNOWN = "unknown"  # a field the run's provenance does not record
+SPLIT_ORDER = {"train": 0, "dev": 1, "validation": 1, "test": 2}
 
 
 # overrides that choose what ran and where its files and logs go, not how it computes
@@ -142,6 +143,7 @@ def read_label(prov: Mapping[str, Any]) -> Label:
         sha = _text(f.get("sha256")) or UNKNOWN
         path = _text(f.get("path"))
         files.append(DataFile(str(split), _relative(path, data_dir) if path else UNKNOWN, sha, pins.get(sha.lower())))
+    files.sort(key=lambda f: (SPLIT_ORDER.get(f.split, len(SPLIT_ORDER)), f.split))
     caches = inputs.get("caches") if isinstance(inputs.get("caches"), Mapping) else {}
     keys = [c["key"] for c in caches.values() if isinstance(c, Mapping) and isinstance(c.get("key"), Mapping)]
     enc = inputs.get("encoder") if isinstance(inputs.get("encoder"), Mapping) else {}
