@@ -47,10 +47,9 @@ def pct(v) -> str:
 
 
 def _columns(runs: list[Run], base: bool = False) -> dict[str, list[Run]]:
-    """Runs by column (in the order of the labels): the encoder (``base``: without the random-init mark) and
-    the data read; the label is
-    the encoder's name, with the files read (names @ sha256) where one encoder read several sets (they are
-    never merged)."""
+    """Runs by column, in the order of the labels: the encoder (``base``: without the random-init mark) and the
+    data read; the label is the encoder's name, with the files read (names @ sha256) where one encoder read
+    several sets of files (they are never merged)."""
     enc = (lambda r: r.base_encoder) if base else (lambda r: r.encoder)  # noqa: E731
     datas: dict[str, dict[tuple, None]] = {}
     for r in newest_first(runs):

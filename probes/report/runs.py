@@ -126,15 +126,14 @@ def _relative(path: str, data_dir: str | None) -> str:
 def read_label(prov: Mapping[str, Any]) -> Label:
     """The :class:`Label` of a provenance record (``provenance.json`` as :func:`read_provenance` returns it).
 
-    Data files: ``inputs.data_files`` (``{split: {path, sha256}}``); data folder: ``inputs.data_dir``, else the
-    recorded ``PROBES_DATA_DIR``; weights fingerprint: ``inputs.encoder.fingerprint``, else the ``revision``
+    Data files: ``inputs.data_files`` (``{split: {path, sha256}}``); data folder: ``inputs.data_dir`` (not the
+    ``PROBES_DATA_DIR`` of the environment record, which ``paths.data_dir`` may override); weights fingerprint: ``inputs.encoder.fingerprint``, else the ``revision``
     of the cache entries read (``inputs.caches.<stage>.key``); precision: ``precision`` of the record or of
     its inputs, else that of the cache entries read. Anything else, or a missing field, is :data:`UNKNOWN`.
     """
     prov = prov if isinstance(prov, Mapping) else {}
     inputs = prov.get("inputs") if isinstance(prov.get("inputs"), Mapping) else {}
-    env = prov.get("environment") if isinstance(prov.get("environment"), Mapping) else {}
-    data_dir = _text(inputs.get("data_dir")) or _text(env.get("PROBES_DATA_DIR"))
+    data_dir = _text(inputs.get("data_dir"))
     pins = pinned_files()
     files = []
     recorded = inputs.get("data_files")
