@@ -7,7 +7,10 @@ import sys
 
 import pandas as pd
 import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from probes.data.sources import sha256_file
 from probes.report.tracking import flatten
 from probes.report.wandb_files import find_runs, read_run
 from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train
@@ -86,8 +89,13 @@ def test_multirun_and_analysis_runs_read_back(chain_data, tmp_path):
     pd.testing.assert_frame_equal(got, csv, check_dtype=False, atol=1e-6)
     assert a.images()["fig/head_stats_heatmaps"].stat().st_size > 1000
     assert a.summary["analysis"] == "head_stats"
-    assert json.loads((tmp_path / "analysis" / "provenance.json").read_text())["command"].startswith(
-        "python -m probes.analyze analysis=head_stats")
+    prov = json.loads((tmp_path / "analysis" / "provenance.json").read_text())
+    assert prov["command"].startswith("python -m probes.analyze analysis=head_stats")
+    # what the analysis read: the treebank file of its split with its sha256, the encoder's weights fingerprint
+    dev = tmp_path / "tiny" / "ud_english_ewt" / "en_ewt-ud-dev.conllu"
+    assert prov["inputs"]["data_files"] == {"dev": dict(path=str(dev), sha256=sha256_file(dev))}
+    assert prov["inputs"]["encoder"]["fingerprint"] == instantiate(OmegaConf.load(ROOT / "conf" / "encoder" /
+                                                                                 "tiny.yaml")).fingerprint
 
 
 def test_reader_rejects_other_files(tmp_path):

@@ -42,7 +42,7 @@ from probes.io import atomic_write
 from probes.measures import build, from_config
 from probes.model.load import Encoder
 from probes.report.provenance import write_provenance
-from probes.report.tracking import init_run
+from probes.report.tracking import analysis_inputs, init_run
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +357,8 @@ def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike, *, context: Ana
     try:
         value = fn(ctx)
         ctx.log_summary({"seconds": ctx.seconds(), "seed": int(cfg.get("seed", 0))})
+        write_provenance(ctx.output_dir, analysis_inputs(  # what it read: the treebank and encoder it built, if any
+            ctx.cfg, ctx.data_dir, ctx.cache_dir, ctx.__dict__.get("treebank"), ctx.__dict__.get("encoder")))
         return AnalysisResult(ctx.name, ctx.output_dir, dict(ctx.tables), dict(ctx.figures), dict(ctx._summary), value)
     finally:
         ctx.finish()

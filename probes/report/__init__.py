@@ -3,8 +3,10 @@
 - :mod:`probes.report.tracking`: wandb runs grouped by sweep, typed by what ran, named by overrides.
 - :mod:`probes.report.provenance`: commit, machine and command of a run (``provenance.json``).
 - :mod:`probes.report.wandb_files`: offline ``.wandb`` files read back.
+- :mod:`probes.report.runs`: run folders labelled by what their provenance says they read, and grouped.
 - ``python -m probes.report PATH... [--out DIR]``: ``report.html`` + ``report.md`` from run folders,
-  every table and figure of the four papers beside the paper's numbers (``papers.yaml``).
+  every table and figure of the four papers beside the paper's numbers (``papers.yaml``), and every run,
+  grouped by experiment/analysis, encoder and the data files read, newest first.
 """
 
 from __future__ import annotations

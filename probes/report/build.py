@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from probes.report.runs import Run
+from probes.report.runs import Run, newest_first
 
 PAPERS = Path(__file__).with_name("papers.yaml")
 
@@ -23,7 +23,8 @@ def load_papers(path: str | Path = PAPERS) -> list[dict]:
 
 @dataclass
 class Section:
-    """One table/figure of a paper as reproduced by the runs (``runs`` empty: not run yet)."""
+    """One table/figure of a paper as reproduced by the runs (``runs`` empty: not run yet): the numbers of
+    the newest run of each column (:attr:`shown`), every run of the section in :attr:`runs`."""
 
     key: str
     paper: str
@@ -35,7 +36,8 @@ class Section:
     notes: list[str] = field(default_factory=list)       # the paper's findings in words
     warnings: list[str] = field(default_factory=list)    # runs that are not the plain configuration
     figures: list[tuple[str, Path]] = field(default_factory=list)
-    runs: list[Run] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)        # every run of this section
+    shown: list[Run] = field(default_factory=list)       # the runs whose numbers the table shows
     values: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (row, column, encoder) -> value
 
 
@@ -44,25 +46,26 @@ def pct(v) -> str:
     return "-" if v is None or pd.isna(v) else f"{100 * float(v):.1f}"
 
 
-def _groups(runs: list[Run], base: bool = False) -> dict[str, list[Run]]:
-    """Runs by column label: the encoder (``base``: without the random-init mark), with the data where
-    one encoder ran on several data sets."""
+def _columns(runs: list[Run], base: bool = False) -> dict[str, list[Run]]:
+    """Runs by column, in the order of the labels: the encoder (``base``: without the random-init mark) and the
+    data read; the label is the encoder's name, with the files read (names @ sha256) where one encoder read
+    several sets of files (they are never merged)."""
     enc = (lambda r: r.base_encoder) if base else (lambda r: r.encoder)  # noqa: E731
-    datas: dict[str, set] = {}
-    for r in runs:
-        datas.setdefault(enc(r), set()).add(r.data)
+    datas: dict[str, dict[tuple, None]] = {}
+    for r in newest_first(runs):
+        datas.setdefault(enc(r), {})[r.label.data_key] = None
     out: dict[str, list[Run]] = {}
-    for r in runs:
-        label = enc(r) if len(datas[enc(r)]) == 1 else f"{enc(r)} · {r.data}"
+    for r in sorted(newest_first(runs), key=lambda r: (enc(r), r.label.data_short)):  # columns by name
+        label = enc(r) if len(datas[enc(r)]) == 1 else f"{enc(r)} · {r.label.data_short}"
         out.setdefault(label, []).append(r)
     return out
 
 
-def _latest(runs: list[Run], key) -> dict:
-    """The run kept per ``key``: the latest of those run as configured (no further overrides), else the latest."""
+def _newest(runs: list[Run], key) -> dict:
+    """The run shown per ``key``: the newest (the others are listed under the section)."""
     out = {}
-    for r in sorted(runs, key=lambda r: (not r.extra_overrides, r.finished)):
-        out[key(r)] = r
+    for r in newest_first(runs):
+        out.setdefault(key(r), r)
     return out
 
 
@@ -72,8 +75,8 @@ def train_section(spec: dict, paper: str, runs: list[Run]) -> Section:
     rows = spec["experiments"]
     wanted = {r["experiment"] for r in rows}
     mine = [r for r in runs if r.kind == "train" and r.name in wanted]
-    groups = _groups(mine, base=True)  # the random-init row is an experiment of its own
-    latest = {g: _latest(rs, lambda r: r.name) for g, rs in groups.items()}
+    groups = _columns(mine, base=True)  # the random-init row is an experiment of its own
+    latest = {g: _newest(rs, lambda r: r.name) for g, rs in groups.items()}
     cols = spec["columns"]
     sec.header = ["row (experiment)"] + [f"{c} ({g})" if len(groups) > 1 else c for g in groups for c in cols] + \
         ["paper"]
@@ -89,7 +92,8 @@ def train_section(spec: dict, paper: str, runs: list[Run]) -> Section:
                 cells.append(pct(v))
         cells.append(str(row.get("paper", "-")))
         sec.rows.append(cells)
-    sec.runs = [r for g in latest.values() for r in g.values()]
+    sec.runs = mine
+    sec.shown = [r for g in latest.values() for r in g.values()]
     return sec
 
 
@@ -142,9 +146,10 @@ def analysis_section(spec: dict, paper: str, runs: list[Run]) -> Section:
     """The analysis's table per encoder side by side (or its summary scalars), its figures, the paper."""
     sec = Section(spec["key"], paper, spec["what"], spec.get("paper_source", ""), spec["command"])
     mine = [r for r in runs if r.kind == "analysis" and r.name == spec["analysis"]]
-    groups = _groups(mine)
-    latest = {g: _latest(rs, lambda r: 0)[0] for g, rs in groups.items()}
-    sec.runs = list(latest.values())
+    groups = _columns(mine)
+    latest = {g: _newest(rs, lambda r: 0)[0] for g, rs in groups.items()}
+    sec.runs = mine
+    sec.shown = list(latest.values())
     paper_vals = {str(k): str(v) for k, v in (spec.get("paper") or {}).items()}
     frames = {}
     for g, run in latest.items():
@@ -177,7 +182,7 @@ def analysis_section(spec: dict, paper: str, runs: list[Run]) -> Section:
 
 
 def _flag_overrides(sec: Section) -> Section:
-    for r in sec.runs:
+    for r in sec.shown:
         if r.extra_overrides:
             extra = " ".join(r.extra_overrides)
             extra = extra if len(extra) <= 160 else extra[:159] + "…"

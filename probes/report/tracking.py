@@ -9,7 +9,8 @@
 - config: the resolved config flattened to dotted keys (``probe.optimizer.lr``).
 
 :class:`WandbRunLogger` is the training logger (``conf/logger/wandb.yaml``); analyses call
-:func:`init_run` through :class:`probes.analysis.context.AnalysisContext`.
+:func:`init_run` through :class:`probes.analysis.context.AnalysisContext`, and record what they read with
+:func:`analysis_inputs` (the ``inputs`` of their ``provenance.json``, as training runs record theirs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Mapping
 import wandb
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 from pytorch_lightning.loggers import WandbLogger
 
 from probes.report.provenance import write_provenance
@@ -71,6 +73,25 @@ def init_run(cfg_plain: dict, *, project: str, mode: str, job_type: str, task_na
     return wandb.init(project=project, mode=mode, dir=str(dir), job_type=job_type, tags=list(tags),
                       group=group or ident["group"], name=name or ident["name"], config=flatten(cfg_plain),
                       reinit="finish_previous")
+
+
+def analysis_inputs(cfg, data_dir, cache_dir, treebank=None, encoder=None) -> dict[str, Any]:
+    """What an analysis read, for its ``provenance.json``: the data and cache folders; the treebank's file
+    of the analysis's ``split`` (every split's file on disk when it names no split of the treebank) with
+    its sha256; the encoder's name and weights fingerprint; the ``analysis.checkpoint`` it was given.
+
+    ``treebank``/``encoder``: the ones the analysis built or was given (None: it read none)."""
+    inputs: dict[str, Any] = dict(data_dir=str(data_dir), cache_dir=str(cache_dir))
+    if treebank is not None:
+        split = (cfg.get("analysis") or {}).get("split")
+        splits = [split] if split in treebank.splits else [s for s in treebank.splits if treebank.path(s).is_file()]
+        inputs["data_files"] = {s: dict(path=str(treebank.path(s)), sha256=treebank.file_sha256(s)) for s in splits}
+    if encoder is not None:
+        inputs["encoder"] = dict(name=encoder.name, fingerprint=encoder.fingerprint)
+    checkpoint = (cfg.get("analysis") or {}).get("checkpoint")
+    if checkpoint is not None:
+        inputs["checkpoint"] = OmegaConf.to_container(checkpoint) if OmegaConf.is_config(checkpoint) else checkpoint
+    return inputs
 
 
 class WandbRunLogger(WandbLogger):
