@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from probes.measures import gradflow
 from probes.model import hooks
 
 
@@ -70,3 +71,29 @@ def pooling_by_hand(word_of_piece: list[int], n_words: int, mode: str) -> torch.
             elif mode == "first" and t == pieces[0]:
                 m[row, t] = 1.0
     return m
+
+
+def head_attributions_stepwise(model: torch.nn.Module, input_ids: torch.Tensor, method: str = "ig", steps: int = 20,
+                               chunk_size: int | None = 256, baseline: torch.Tensor | None = None) -> torch.Tensor:
+    """The unbatched path :func:`probes.measures.gradflow.head_attributions` replaced (kept as its reference and
+    as the "before" of ``bench/attribution_cost.py``): per layer and per IG step (or the one point of
+    ``ixg``) one forward of the truncated model on ONE point, one ``vjp`` and ``vmap`` over the ``H * T``
+    one-hot cotangents; ``hta``: the gradient's 2-norm. Returns (L, H, T, T)."""
+    x = gradflow.word_embeddings(model, input_ids)  # (T, E)
+    T = x.shape[0]
+    out = []
+    for layer in range(gradflow.num_layers(model)):
+        f = gradflow.layer_head_scalars_fn(model, input_ids, layer)  # (T, E) -> (H, T)
+        if method == "ixg":
+            attr = gradflow.input_x_gradient(f, x, chunk_size)  # (H*T, T, E)
+        elif method == "ig":
+            attr = gradflow.integrated_gradients(f, x, baseline, steps, chunk_size)  # step loop
+        elif method == "hta":
+            _, J = gradflow.jacobian_rows(f, x, chunk_size)
+            mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
+            out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+            continue
+        else:
+            raise ValueError(method)
+        out.append(gradflow.attribution_distribution(attr.reshape(-1, T, *x.shape)))  # (H, T, T)
+    return torch.stack(out).detach()  # (L, H, T, T)

@@ -10,10 +10,11 @@ import torch
 
 from probes.analysis.pascual.attribution import PATTERNS, argmax_patterns, captum_head_attribution, select_shortest
 from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
-from probes.measures.gradflow import (attribution_distribution, head_attributions, hta_attributions, ig_baseline,
-                                      input_x_gradient, integrated_gradients, layer_head_scalars_fn, word_embeddings)
+from probes.measures.gradflow import (attribution_distribution, head_attribution_gflops, head_attributions,
+                                      hta_attributions, ig_baseline, ig_points, input_x_gradient, integrated_gradients,
+                                      layer_head_scalars_fn, word_embeddings)
 from probes.model.load import tiny_bert
-from tests.reference import head_scalars_fn
+from tests.reference import head_attributions_stepwise, head_scalars_fn
 
 
 def test_linear_toy_attributions_are_w_times_x():
@@ -78,6 +79,41 @@ def test_batched_attributions_match_captum(tiny, method):
     for layer, head, pos in [(0, 0, 0), (1, 3, 2), (1, 1, T - 1)]:
         ref = attribution_distribution(captum_head_attribution(enc.model, ids, layer, head, pos, method, steps=5))
         torch.testing.assert_close(dist[layer, head, pos], ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method,baseline,chunk", [("ixg", None, 1024), ("ig", "zero", 1024), ("ig", "pad", 7),
+                                                   ("ig", "zero", None), ("hta", None, 5)])
+def test_batched_points_equal_stepwise_reference(tiny, method, baseline, chunk):
+    """IG points as one batch dimension (and targets x points in chunks) = the old loop of one vjp per step."""
+    enc, ids = tiny
+    b = None if baseline is None else ig_baseline(enc.model, ids, baseline, enc.tokenizer.pad_token_id)
+    calls = []
+    if method == "hta":
+        got = hta_attributions(enc.model, ids, chunk_size=chunk, progress=calls.append)
+    else:
+        got = head_attributions(enc.model, ids, method, steps=6, chunk_size=chunk, baseline=b, progress=calls.append)
+    ref = head_attributions_stepwise(enc.model, ids, method, steps=6, chunk_size=256, baseline=b)
+    assert got.shape == ref.shape == (enc.num_layers, enc.num_heads, len(ids), len(ids))
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    assert calls == list(range(enc.num_layers))
+
+
+def test_ig_points_are_riemann_midpoints():
+    x, b = torch.randn(3, 2), torch.randn(3, 2)
+    p = ig_points(x, b, 4)
+    assert p.shape == (4, 3, 2)
+    for k in range(4):
+        torch.testing.assert_close(p[k], b + (k + 0.5) / 4 * (x - b))
+
+
+def test_head_attribution_gflops_counts_blocks(tiny):
+    enc, _ = tiny
+    c = enc.model.config
+    D, F, H, T = c.hidden_size, c.intermediate_size, c.num_attention_heads, 7
+    block = 8 * D * D * T + 4 * D * F * T + 4 * T * T * D
+    attn = 6 * D * D * T + 4 * T * T * D
+    assert head_attribution_gflops(enc.model, T, 0) == pytest.approx(H * T * attn / 1e9)
+    assert head_attribution_gflops(enc.model, T, 1, points=3) == pytest.approx(3 * H * T * (block + attn) / 1e9)
 
 
 def test_js_divergence():

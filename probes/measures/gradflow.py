@@ -57,10 +57,17 @@ and the embedding LayerNorm stay in the model):
 * gradient norm (:func:`hta_attributions`): ``|| d s / d x_j ||_2`` over the embedding dimension, no
   input factor (the reduction of Brunner et al.'s Hidden Token Attribution).
 
-All ``H * T`` targets of a layer are done by one ``vjp`` per (IG step) of the model stopped after
-that layer's attention (``stop=True``) and ``vmap`` over the one-hot cotangents (in chunks). The
-distribution over input tokens is ``|attr|`` summed over the embedding dimension, normalised to sum 1
-(:func:`attribution_distribution`).
+All ``H * T`` targets of a layer are done by one forward of the model stopped after that layer's
+attention (``stop=True``) on all the points at once (the ``steps`` IG interpolation points as the batch
+dimension; one point for gradient x input), one ``vjp``, and ``vmap`` over the one-hot cotangents, each
+repeated over the points and the points' gradients summed inside (:func:`summed_jacobian_rows`): the
+``H * T * steps`` backward passes run as batches of ``chunk_size`` (targets x points) sequences. The
+arithmetic is the same as one backward per target and step (the slow reference in the tests); only
+the batching is new, and large batches are what make it fast on a CPU (per-op overheads).
+Cost: for layer ``l`` every target's backward goes through ``l`` blocks, so a sentence of ``T`` pieces
+costs about ``steps * H * T * sum_l l`` block backwards of ``T`` tokens - quadratic in ``T``
+(:func:`head_attribution_gflops`). The distribution over input tokens is ``|attr|`` summed over the
+embedding dimension, normalised to sum 1 (:func:`attribution_distribution`).
 """
 
 from __future__ import annotations
@@ -197,22 +204,63 @@ def integrated_gradients(f, x: torch.Tensor, baseline: torch.Tensor | None = Non
 
 def layer_head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor, layer: int
                           ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x (T, D) -> s (H, T)`` for one layer: the model stopped right after layer ``layer``'s attention.
+    """``x (T, E) -> s (H, T)`` (or a batch of inputs ``(S, T, E) -> (S, H, T)``) for one layer: the model
+    stopped right after layer ``layer``'s attention.
 
     Runs the model on ``inputs_embeds=x`` in a ``hooks.attention(layers=[layer], stop=True,
-    values=True)`` session and sums the head outputs ``s.output[layer]`` (1, T, H, d) over each head's
+    values=True)`` session and sums the head outputs ``s.output[layer]`` (S, T, H, d) over each head's
     ``d`` units. Same numbers as the full model's head outputs at ``layer`` (tested); the early stop saves
     the forward and backward through later layers.
     """
-    mask = torch.ones_like(input_ids).unsqueeze(0)  # (1, T)
-
     def f(x: torch.Tensor) -> torch.Tensor:
+        xb = x if x.dim() == 3 else x.unsqueeze(0)  # (S, T, E)
+        mask = torch.ones(xb.shape[:2], dtype=input_ids.dtype, device=xb.device)  # (S, T)
         with hooks.attention(model, layers=[layer], stop=True, values=True) as s:
-            s.run(inputs_embeds=x.unsqueeze(0), attention_mask=mask)
-            out = s.output[layer]  # (1, T, H, d)
-        return _head_scalars(out)[0]  # (H, T)
+            s.run(inputs_embeds=xb, attention_mask=mask)
+            out = s.output[layer]  # (S, T, H, d)
+        sc = _head_scalars(out)  # (S, H, T)
+        return sc if x.dim() == 3 else sc[0]
 
     return f
+
+
+def summed_jacobian_rows(f: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor,
+                         chunk_size: int | None = 1024) -> torch.Tensor:
+    """``sum_s d f(points)[s].flatten()[k] / d points[s]`` for every output unit k: (K, *points.shape[1:]).
+
+    ``f`` maps a batch of S points (S, ...) to (S, *out) with each row depending on its own point only (a
+    model forward on a batch of unpadded sentences). One forward on all S points, one ``vjp``, and
+    ``vmap`` over the K one-hot cotangents (each repeated over the S points, the S gradients summed inside):
+    the K backward passes over S points run as batches of ``chunk_size`` (targets x points) sequences.
+    With S = 1 these are the Jacobian rows at one point; with the IG points, the Riemann sum of IG.
+    """
+    y, fn = vjp(f, points)
+    S = y.shape[0]
+    K = y[0].numel()
+    eye = torch.eye(K, device=points.device, dtype=y.dtype).reshape(K, 1, *y.shape[1:])
+    cot = eye.expand(K, S, *y.shape[1:])  # (K, S, *out)
+    chunk = None if chunk_size is None else max(1, int(chunk_size) // S)
+    return vmap(lambda v: fn(v)[0].sum(0), chunk_size=chunk)(cot)  # (K, *points.shape[1:])
+
+
+def ig_points(x: torch.Tensor, baseline: torch.Tensor | None, steps: int) -> torch.Tensor:
+    """The ``steps`` Riemann-midpoint points ``b + (k - 1/2) / steps * (x - b)``, k = 1..steps: (steps, *x.shape)."""
+    b = torch.zeros_like(x) if baseline is None else baseline.to(x)
+    alphas = (torch.arange(steps, device=x.device, dtype=x.dtype) + 0.5) / steps  # (S,)
+    return b + alphas.reshape(-1, *([1] * x.dim())) * (x - b)
+
+
+def head_attribution_gflops(model: torch.nn.Module, n_pieces: int, layer: int, points: int = 1) -> float:
+    """Estimated GFLOPs of :func:`summed_jacobian_rows` for ``layer``'s ``H * T`` head scalars of a sentence of
+    ``T = n_pieces`` over ``points`` points (IG steps; 1 for ``ixg``/``hta``): each target's backward through
+    ``layer`` blocks (``8 D^2 T + 4 D F T + 4 T^2 D`` each, the forward's matmul count) and the Q/K/V part of
+    its own layer's attention. For progress bars and benchmarks (a weight, not a measurement)."""
+    c = model.config
+    D, F, H, T = int(c.hidden_size), int(getattr(c, "intermediate_size", 4 * c.hidden_size)), \
+        int(c.num_attention_heads), int(n_pieces)
+    block = 8 * D * D * T + 4 * D * F * T + 4 * T * T * D
+    attn = 6 * D * D * T + 4 * T * T * D
+    return points * H * T * (layer * block + attn) / 1e9
 
 
 def ig_baseline(model: torch.nn.Module, input_ids: torch.Tensor, kind: str = "zero", pad_id: int = 0) -> torch.Tensor:
@@ -229,25 +277,31 @@ def ig_baseline(model: torch.nn.Module, input_ids: torch.Tensor, kind: str = "ze
 
 
 def head_attributions(model: torch.nn.Module, input_ids: torch.Tensor, method: str = "ig", steps: int = 20,
-                      chunk_size: int | None = 256, baseline: torch.Tensor | None = None) -> torch.Tensor:
+                      chunk_size: int | None = 1024, baseline: torch.Tensor | None = None,
+                      progress: Callable[[int], None] | None = None) -> torch.Tensor:
     """Attribution distributions of every head output over the input tokens, (L, H, T_out, T_in).
 
-    One truncated model per layer (:func:`layer_head_scalars_fn`); ``|attr|`` summed over the
-    embedding dimension and normalised (:func:`attribution_distribution`); see the module doc.
+    One truncated model per layer (:func:`layer_head_scalars_fn`); ``ig``: the ``steps`` interpolation
+    points are one batch of the forward and of every backward (:func:`summed_jacobian_rows`), not a loop.
+    ``|attr|`` summed over the embedding dimension and normalised (:func:`attribution_distribution`); see
+    the module doc. ``progress(layer)`` is called after each layer (for progress bars).
     """
     x = word_embeddings(model, input_ids)  # (T, E)
     T = x.shape[0]
+    if method in ("ixg", "input_x_gradient"):
+        points, scale = x.unsqueeze(0), x  # (1, T, E), (T, E)
+    elif method in ("ig", "integrated_gradients"):
+        b = torch.zeros_like(x) if baseline is None else baseline.to(x)
+        points, scale = ig_points(x, b, steps), (x - b) / steps  # (S, T, E), (T, E)
+    else:
+        raise ValueError(f"unknown attribution method {method!r} (ig | ixg)")
     out = []
     for layer in range(num_layers(model)):
-        f = layer_head_scalars_fn(model, input_ids, layer)
-        if method in ("ixg", "input_x_gradient"):
-            attr = input_x_gradient(f, x, chunk_size)  # (H*T, T, E)
-        elif method in ("ig", "integrated_gradients"):
-            attr = integrated_gradients(f, x, baseline, steps, chunk_size)
-        else:
-            raise ValueError(f"unknown attribution method {method!r} (ig | ixg)")
-        H = attr.shape[0] // T
-        out.append(attribution_distribution(attr.reshape(H, T, *x.shape)))  # (H, T, T)
+        J = summed_jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), points, chunk_size)  # (H*T, T, E)
+        attr = J * scale
+        out.append(attribution_distribution(attr.reshape(-1, T, *x.shape)))  # (H, T, T)
+        if progress is not None:
+            progress(layer)
     return torch.stack(out).detach()  # (L, H, T, T)
 
 
@@ -258,7 +312,8 @@ def attribution_distribution(attr: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, mass / total.clamp_min(1e-30), torch.full_like(mass, 1.0 / mass.shape[-1]))
 
 
-def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
+def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 1024,
+                     progress: Callable[[int], None] | None = None) -> torch.Tensor:
     """``method=hta``: gradient-norm attribution of every head output, (L, H, T_out, T_in).
 
     ``||d s_{l,h,i} / d x_j||_2`` (2-norm over the embedding dimension, no multiplication by the input),
@@ -272,7 +327,10 @@ def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size
     T = x.shape[0]
     out = []
     for layer in range(num_layers(model)):
-        _, J = jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), x, chunk_size)  # (H*T, T, E)
+        f = layer_head_scalars_fn(model, input_ids, layer)
+        J = summed_jacobian_rows(f, x.unsqueeze(0), chunk_size)  # (H*T, T, E)
         mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
         out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+        if progress is not None:
+            progress(layer)
     return torch.stack(out).detach()  # (L, H, T, T)
