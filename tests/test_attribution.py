@@ -89,13 +89,16 @@ def test_batched_points_equal_stepwise_reference(tiny, method, baseline, chunk):
     b = None if baseline is None else ig_baseline(enc.model, ids, baseline, enc.tokenizer.pad_token_id)
     calls = []
     if method == "hta":
-        got = hta_attributions(enc.model, ids, chunk_size=chunk, progress=calls.append)
+        got = hta_attributions(enc.model, ids, chunk_size=chunk, progress=lambda *a: calls.append(a))
     else:
-        got = head_attributions(enc.model, ids, method, steps=6, chunk_size=chunk, baseline=b, progress=calls.append)
+        got = head_attributions(enc.model, ids, method, steps=6, chunk_size=chunk, baseline=b,
+                                progress=lambda *a: calls.append(a))
     ref = head_attributions_stepwise(enc.model, ids, method, steps=6, chunk_size=256, baseline=b)
     assert got.shape == ref.shape == (enc.num_layers, enc.num_heads, len(ids), len(ids))
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
-    assert calls == list(range(enc.num_layers))
+    assert sorted({layer for layer, _ in calls}) == list(range(enc.num_layers))
+    for layer in range(enc.num_layers):  # the shares of each layer's targets add up to 1
+        assert sum(share for l, share in calls if l == layer) == pytest.approx(1.0)
 
 
 def test_ig_points_are_riemann_midpoints():

@@ -225,22 +225,29 @@ def layer_head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor, layer
 
 
 def summed_jacobian_rows(f: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor,
-                         chunk_size: int | None = 1024) -> torch.Tensor:
+                         chunk_size: int | None = 1024, progress: Callable[[float], None] | None = None
+                         ) -> torch.Tensor:
     """``sum_s d f(points)[s].flatten()[k] / d points[s]`` for every output unit k: (K, *points.shape[1:]).
 
     ``f`` maps a batch of S points (S, ...) to (S, *out) with each row depending on its own point only (a
     model forward on a batch of unpadded sentences). One forward on all S points, one ``vjp``, and
     ``vmap`` over the K one-hot cotangents (each repeated over the S points, the S gradients summed inside):
-    the K backward passes over S points run as batches of ``chunk_size`` (targets x points) sequences.
-    With S = 1 these are the Jacobian rows at one point; with the IG points, the Riemann sum of IG.
+    the K backward passes over S points run as batches of ``chunk_size`` (targets x points) sequences
+    (None: all at once). With S = 1 these are the Jacobian rows at one point; with the IG points, the
+    Riemann sum of IG. ``progress(share)`` after each batch with the share of the K targets it did.
     """
     y, fn = vjp(f, points)
     S = y.shape[0]
     K = y[0].numel()
     eye = torch.eye(K, device=points.device, dtype=y.dtype).reshape(K, 1, *y.shape[1:])
-    cot = eye.expand(K, S, *y.shape[1:])  # (K, S, *out)
-    chunk = None if chunk_size is None else max(1, int(chunk_size) // S)
-    return vmap(lambda v: fn(v)[0].sum(0), chunk_size=chunk)(cot)  # (K, *points.shape[1:])
+    step = K if chunk_size is None else max(1, int(chunk_size) // S)
+    pull = vmap(lambda v: fn(v)[0].sum(0))  # (k, S, *out) cotangents -> (k, *points.shape[1:])
+    parts = []
+    for a in range(0, K, step):
+        parts.append(pull(eye[a:a + step].expand(-1, S, *y.shape[1:])))
+        if progress is not None:
+            progress((min(a + step, K) - a) / K)
+    return torch.cat(parts)  # (K, *points.shape[1:])
 
 
 def ig_points(x: torch.Tensor, baseline: torch.Tensor | None, steps: int) -> torch.Tensor:
@@ -276,15 +283,21 @@ def ig_baseline(model: torch.nn.Module, input_ids: torch.Tensor, kind: str = "ze
     raise ValueError(f"unknown baseline {kind!r} (zero | pad)")
 
 
+def _layer_progress(progress: Callable[[int, float], None] | None, layer: int) -> Callable[[float], None] | None:
+    """``share -> progress(layer, share)`` (None if no ``progress``)."""
+    return None if progress is None else (lambda share: progress(layer, share))
+
+
 def head_attributions(model: torch.nn.Module, input_ids: torch.Tensor, method: str = "ig", steps: int = 20,
                       chunk_size: int | None = 1024, baseline: torch.Tensor | None = None,
-                      progress: Callable[[int], None] | None = None) -> torch.Tensor:
+                      progress: Callable[[int, float], None] | None = None) -> torch.Tensor:
     """Attribution distributions of every head output over the input tokens, (L, H, T_out, T_in).
 
     One truncated model per layer (:func:`layer_head_scalars_fn`); ``ig``: the ``steps`` interpolation
     points are one batch of the forward and of every backward (:func:`summed_jacobian_rows`), not a loop.
     ``|attr|`` summed over the embedding dimension and normalised (:func:`attribution_distribution`); see
-    the module doc. ``progress(layer)`` is called after each layer (for progress bars).
+    the module doc. ``progress(layer, share)`` after each batch of backward passes, with the share of that
+    layer's targets it did (for progress bars).
     """
     x = word_embeddings(model, input_ids)  # (T, E)
     T = x.shape[0]
@@ -297,11 +310,10 @@ def head_attributions(model: torch.nn.Module, input_ids: torch.Tensor, method: s
         raise ValueError(f"unknown attribution method {method!r} (ig | ixg)")
     out = []
     for layer in range(num_layers(model)):
-        J = summed_jacobian_rows(layer_head_scalars_fn(model, input_ids, layer), points, chunk_size)  # (H*T, T, E)
+        f = layer_head_scalars_fn(model, input_ids, layer)
+        J = summed_jacobian_rows(f, points, chunk_size, _layer_progress(progress, layer))  # (H*T, T, E)
         attr = J * scale
         out.append(attribution_distribution(attr.reshape(-1, T, *x.shape)))  # (H, T, T)
-        if progress is not None:
-            progress(layer)
     return torch.stack(out).detach()  # (L, H, T, T)
 
 
@@ -313,7 +325,7 @@ def attribution_distribution(attr: torch.Tensor) -> torch.Tensor:
 
 
 def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = 1024,
-                     progress: Callable[[int], None] | None = None) -> torch.Tensor:
+                     progress: Callable[[int, float], None] | None = None) -> torch.Tensor:
     """``method=hta``: gradient-norm attribution of every head output, (L, H, T_out, T_in).
 
     ``||d s_{l,h,i} / d x_j||_2`` (2-norm over the embedding dimension, no multiplication by the input),
@@ -328,9 +340,7 @@ def hta_attributions(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size
     out = []
     for layer in range(num_layers(model)):
         f = layer_head_scalars_fn(model, input_ids, layer)
-        J = summed_jacobian_rows(f, x.unsqueeze(0), chunk_size)  # (H*T, T, E)
+        J = summed_jacobian_rows(f, x.unsqueeze(0), chunk_size, _layer_progress(progress, layer))  # (H*T, T, E)
         mass = torch.linalg.vector_norm(J, dim=-1).reshape(-1, T, T)  # (H, T, T)
         out.append(mass / mass.sum(-1, keepdim=True).clamp_min(1e-30))
-        if progress is not None:
-            progress(layer)
     return torch.stack(out).detach()  # (L, H, T, T)

@@ -5,8 +5,10 @@ for head h of layer l and position i, the scalar ``sum_k o^{l,h}_i[k]`` of the h
 the output projection) attributed to the input word embeddings by gradient x input (``method=ixg``) or
 integrated gradients (``ig``, ``ig_steps`` Riemann-midpoint points, zero baseline); ``|attr|`` summed over
 the embedding dimension and normalised to sum 1 over the input tokens j. Each sentence alone (no
-padding); gradients are enabled inside the extraction's inference mode. Cost: per layer one
-vmapped VJP over the H * n targets of a sentence of n pieces (``ig``: times ``ig_steps``).
+padding); gradients are enabled inside the extraction's inference mode. Cost: per layer one forward
+(``ig``: on the ``ig_steps`` points as one batch) and one vmapped VJP over the H * n targets of a
+sentence of n pieces (``ig``: times ``ig_steps``), ``chunk_size`` (targets x points) backward passes per
+batch; about quadratic in n (:func:`probes.measures.gradflow.head_attribution_gflops`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class GradAttribution(Measure):
 
     per_head = True
 
-    def __init__(self, method: str = "ixg", ig_steps: int = 20, chunk_size: int | None = 256):
+    def __init__(self, method: str = "ixg", ig_steps: int = 20, chunk_size: int | None = 1024):
         if method not in ("ixg", "ig"):
             raise ValueError(f"grad_attribution: method must be ixg or ig, got {method!r}")
         self.method, self.ig_steps, self.chunk_size = method, int(ig_steps), chunk_size

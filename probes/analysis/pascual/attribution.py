@@ -24,8 +24,8 @@ vectors** (``model.get_input_embeddings()(ids)``, fed as ``inputs_embeds``) by
   Brunner et al.'s (2020) Hidden Token Attribution, the same group's earlier gradient measure
   (:func:`probes.measures.gradflow.hta_attributions`), as an option closer to that lineage.
 
-All are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; see
-:mod:`probes.measures.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
+All are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; the IG
+points are one batch dimension, see :mod:`probes.measures.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
 (method="riemann_middle")`` on the same input (checked on ``captum_check`` random targets per run and
 in the tests; captum itself would need one call per target); ``hta`` is checked in the tests against
 one ``autograd.grad`` per target.
@@ -53,7 +53,10 @@ bound (flow) take only the sentences within it (``n`` in the tables; the summary
 
 Sentences: of the first ``max_sentences`` sentences of ``split`` (file order, as in every analysis;
 null = the whole split), the ``n_shortest`` shortest (in pieces; ties in file order) with at least
-``min_words`` words - the cost grows with T^2 (T targets per head, each a backward over T tokens).
+``min_words`` words - the cost grows with T^2 (T targets per head, each a backward over T tokens), and
+``ig`` costs ``ig_steps`` times ``ixg``. The run logs the estimated GFLOPs first; one progress bar
+(weighted by those estimates, so its ETA holds across sentence lengths) moves after every batch of
+backward passes. Measured costs per sentence: ``bench/attribution_cost.py``, docs/papers/pascual.md.
 
 Outputs: ``attribution_heads.csv`` (kind, method, layer, head, name, js, spearman, top1, n, map_pattern,
 attr_pattern), ``attribution_layers.csv`` (kind, method, layer, means, pattern_agree, n),
@@ -77,8 +80,8 @@ from tqdm import tqdm
 from probes.analysis.plots import layer_head_figure
 from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
 from probes.analysis.tables import layer_head_frame
-from probes.measures.gradflow import (attribution_distribution, head_attributions, hta_attributions, ig_baseline,
-                                      word_embeddings)
+from probes.measures.gradflow import (attribution_distribution, head_attribution_gflops, head_attributions,
+                                      hta_attributions, ig_baseline, word_embeddings)
 from probes.model import hooks
 from probes.model.inputs import encode_words
 
@@ -136,11 +139,25 @@ CAPTUM_CHECKED = ("ixg", "ig")  # methods re-done with captum on ``captum_check`
 
 
 def head_distributions(model, ids: torch.Tensor, method: str, ig_steps: int, chunk_size: int | None,
-                       base: torch.Tensor) -> torch.Tensor:
-    """(L, H, T, T) attribution distributions of one sentence by ``method`` (``ixg``, ``ig`` or ``hta``)."""
+                       base: torch.Tensor, progress=None) -> torch.Tensor:
+    """(L, H, T, T) attribution distributions of one sentence by ``method`` (``ixg``, ``ig`` or ``hta``);
+    ``progress(layer, share)`` after each batch of backward passes (share of the layer's targets done)."""
     if method == "hta":
-        return hta_attributions(model, ids, chunk_size)
-    return head_attributions(model, ids, method, ig_steps, chunk_size, base)
+        return hta_attributions(model, ids, chunk_size, progress=progress)
+    return head_attributions(model, ids, method, ig_steps, chunk_size, base, progress=progress)
+
+
+def method_points(method: str, ig_steps: int) -> int:
+    """Points per target of ``method``: ``ig_steps`` for ``ig``, else 1."""
+    return int(ig_steps) if method == "ig" else 1
+
+
+def work_gflops(model, n_pieces: list[int], methods, ig_steps: int) -> np.ndarray:
+    """(n_sentences, n_methods, L) estimated GFLOPs of every sentence, method and layer
+    (:func:`probes.measures.gradflow.head_attribution_gflops`): the progress bar's weights."""
+    L = int(model.config.num_hidden_layers)
+    return np.array([[[head_attribution_gflops(model, n, l, method_points(m, ig_steps)) for l in range(L)]
+                      for m in methods] for n in n_pieces])
 
 
 def compare(dist: np.ndarray, attn: np.ndarray) -> dict[str, np.ndarray]:
@@ -260,7 +277,7 @@ class _Acc:
 
 def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_shortest: int | None = 50,
                 min_words: int = 5, methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero",
-                chunk_size: int | None = 256, captum_check: int = 2, num_threads: int | None = None,
+                chunk_size: int | None = 1024, captum_check: int = 2, num_threads: int | None = None,
                 kinds=None, seed: int = 0) -> pd.DataFrame:
     """Attribution vs each map kind for every head; save the tables and figures; return the per-layer table."""
     t0 = time.time()
@@ -286,7 +303,14 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
     n_used = dict.fromkeys(kinds, 0)
     rng = random.Random(seed)
     checks = []
-    for k, i in enumerate(tqdm(order, desc="attribution", unit="sent", disable=None)):
+    work = work_gflops(model, [encoded[i].n_pieces for i in order], methods, ig_steps)  # (N, M, L) GFLOPs
+    log.info("attribution: %d sentences (%d pieces, longest %d), methods %s, ig_steps %d: about %.0f GFLOP of "
+             "backward passes (%s per method; cost grows with pieces^2); progress weighted by it",
+             len(order), sum(encoded[i].n_pieces for i in order), max((encoded[i].n_pieces for i in order), default=0),
+             methods, ig_steps, work.sum(), ", ".join(f"{m} {w:.0f}" for m, w in zip(methods, work.sum((0, 2)))))
+    bar = tqdm(total=round(float(work.sum()), 1), desc="attribution", unit="GFLOP", disable=False, mininterval=10,
+               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} GFLOP [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+    for k, i in enumerate(order):
         ids = torch.tensor(encoded[i].input_ids, device=ctx.device)
         n = len(ids)
         maps = {}
@@ -297,8 +321,11 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
                 pats[kind] += pattern_counts(maps[kind])
                 n_used[kind] += 1
         base = ig_baseline(model, ids, baseline, pad_id)  # (T, E)
-        for m in methods:
-            dist = head_distributions(model, ids, m, ig_steps, chunk_size, base).cpu().numpy()  # (L, H, T, T)
+        for mi, m in enumerate(methods):
+            bar.set_postfix_str(f"sentence {k + 1}/{len(order)} ({n} pieces), {m}", refresh=False)
+            dist = head_distributions(model, ids, m, ig_steps, chunk_size, base,
+                                      progress=lambda l, share, k=k, mi=mi: bar.update(float(work[k, mi, l]) * share)
+                                      ).cpu().numpy()  # (L, H, T, T)
             pats[m] += pattern_counts(dist)
             for kind, mp in maps.items():  # the one attribution against every kind
                 acc[kind, m].add(dist if mp.shape[1] == dist.shape[1] else dist.mean(1, keepdims=True), mp)
@@ -307,6 +334,7 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
                 ref = attribution_distribution(captum_head_attribution(model, ids, l, h, p, m, ig_steps, base))
                 checks.append(dict(method=m, sentence=i, layer=l, head=h, pos=p,
                                    max_abs_diff=float(np.abs(ref.cpu().numpy() - dist[l, h, p]).max())))
+    bar.close()
     hrows, lrows = [], []
     for (kind, m), a in acc.items():
         hd = a.heads()
@@ -352,6 +380,7 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
         n_sentences_per_kind=n_used,
         mean_pieces=float(np.mean([encoded[i].n_pieces for i in order])) if order else None,
         methods=methods, ig_steps=ig_steps, baseline=baseline, seconds=round(time.time() - t0, 1),
+        estimated_gflop={m: round(float(w), 1) for m, w in zip(methods, work.sum((0, 2)))}, chunk_size=chunk_size,
         per_layer={m: {c: [round(float(v), 4) for v in g[c]] for c in ("js", "spearman", "top1")}
                    for m, g in layers[layers.kind == kinds[0]].groupby("method")},
         comparison={f"{kind}/{m}": means(g) for (kind, m), g in layers.groupby(["kind", "method"], sort=False)},
