@@ -25,10 +25,10 @@ vectors** (``model.get_input_embeddings()(ids)``, fed as ``inputs_embeds``) by
   (:func:`probes.measures.gradflow.hta_attributions`), as an option closer to that lineage.
 
 All are computed for all ``L * H * T`` targets of a sentence by batched VJPs (``torch.func``; the IG
-points are one batch dimension, see :mod:`probes.measures.gradflow`), which equal captum's ``InputXGradient`` / ``IntegratedGradients
-(method="riemann_middle")`` on the same input (checked on ``captum_check`` random targets per run and
-in the tests; captum itself would need one call per target); ``hta`` is checked in the tests against
-one ``autograd.grad`` per target.
+points are one batch dimension, see :mod:`probes.measures.gradflow`), which equal captum's
+``InputXGradient`` / ``IntegratedGradients(method="riemann_middle")`` on the same input (checked on
+``captum_check`` random targets per run and in the tests; captum itself would need one call per target);
+``hta`` is checked in the tests against one ``autograd.grad`` per target.
 
 Distribution over input tokens: ``|attribution|`` summed over the embedding dimension, normalised
 to sum 1. It is compared with the same head's map row (attention: ``A[l, h, i, :]``):
