@@ -116,13 +116,16 @@ def matmul_peak(device: str, dtype_name: str, n: int = 2048, budget_s: float = 3
     dtype = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[dtype_name]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
+    cpu = []  # CPU seconds of each timed matmul
+
     def once(m: int) -> float:
         a = torch.randn(m, m, device=device).to(dtype)
         b = torch.randn(m, m, device=device).to(dtype)
         sync()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         F.linear(a, b)  # a @ b.T
         sync()
+        cpu.append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     m = 256
@@ -130,8 +133,9 @@ def matmul_peak(device: str, dtype_name: str, n: int = 2048, budget_s: float = 3
     while m < n and 8 * t < budget_s:  # doubling n costs 8x
         m *= 2
         t = once(m)
+    cpu.clear()
     best = min([t] + [once(m) for _ in range(3)])
-    return dict(dtype=dtype_name, n=m, flops_per_s=2 * m ** 3 / best)
+    return dict(dtype=dtype_name, n=m, flops_per_s=2 * m ** 3 / best, flops_per_cpu_s=2 * m ** 3 / min(cpu))
 
 
 PEAK_DTYPE = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16", "16-true": "fp16"}
@@ -277,6 +281,7 @@ class Worker:
         self.process = ctx.Process(target=child, args=(side, args, precision, self.commands, self.results))
         self.process.start()
         self.walls: list[float] = []
+        self.cpus: list[float] = []  # CPU seconds of the side's process during each run
         self.others: list[float] = []
 
     @property
@@ -297,6 +302,7 @@ class Worker:
         r = self.get()
         busy = machine_busy_s() - busy0
         self.walls.append(r["wall_s"])
+        self.cpus.append(r["cpu_s"])
         self.others.append(max(0.0, busy - r["cpu_s"]) / (r["wall_s"] * (os.cpu_count() or 1)))
         return r["wall_s"]
 
@@ -305,7 +311,8 @@ class Worker:
         res = self.get()
         self.process.join()
         best = min(range(len(self.walls)), key=self.walls.__getitem__)
-        return dict(res, wall_s=self.walls[best], walls_s=self.walls, others_cpu_fraction=self.others[best],
+        return dict(res, wall_s=self.walls[best], walls_s=self.walls, cpu_s=min(self.cpus), cpus_s=self.cpus,
+                    others_cpu_fraction=self.others[best],
                     others_cpu_fractions=self.others)
 
 
@@ -386,8 +393,8 @@ def machine() -> dict:
 
 def table(rows: list[dict], peaks: dict) -> str:
     base = rows[0]["tokens_per_s"]
-    head = ["side", "precision", "tok/s", "x plain", "GFLOP/s", "of matmul peak", "wall s", "peak RSS MiB",
-            "others' CPU"]
+    head = ["side", "precision", "tok/s", "x plain", "GFLOP/s", "of matmul peak", "wall s", "CPU s",
+            "of peak (CPU time)", "peak RSS MiB", "others' CPU"]
     body = []
     for r in rows:
         name = "plain HF loop" if r["side"] == "plain" else (
@@ -395,7 +402,8 @@ def table(rows: list[dict], peaks: dict) -> str:
         peak = peaks.get(PEAK_DTYPE.get(r["precision"], ""))
         frac = f"{r['flops'] / r['wall_s'] / peak['flops_per_s']:.0%} ({peak['dtype']})" if peak else "-"
         body.append([name, r["precision"], f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / base:.2f}",
-                     f"{r['flops'] / r['wall_s'] / 1e9:.1f}", frac, f"{r['wall_s']:.1f}",
+                     f"{r['flops'] / r['wall_s'] / 1e9:.1f}", frac, f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
+                     f"{r['flops'] / r['cpu_s'] / peak['flops_per_cpu_s']:.0%}" if peak else "-",
                      f"{r['peak_rss_kib'] / 1024:.0f}", f"{r['others_cpu_fraction']:.0%}"])
     w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     fmt = lambda cells: "  ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(cells))  # noqa: E731
@@ -464,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     peaks = {dt: max(v, key=lambda p: p["flops_per_s"]) for dt, v in peak_runs.items()}
     for dt, p in peaks.items():
         p["all_flops_per_s"] = [q["flops_per_s"] for q in peak_runs[dt]]
+        p["flops_per_cpu_s"] = max(q["flops_per_cpu_s"] for q in peak_runs[dt])
     print("matmul peak (best of the rounds; each round: best of 3 after a warm-up): " + ", ".join(
-        f"{p['dtype']} {p['flops_per_s'] / 1e9:.1f} GFLOP/s ({p['n']}x{p['n']})" for p in peaks.values()), flush=True)
+        f"{p['dtype']} {p['flops_per_s'] / 1e9:.1f} GFLOP/s ({p['n']}x{p['n']}; "
+        f"{p['flops_per_cpu_s'] / 1e9:.1f} per CPU-second)" for p in peaks.values()), flush=True)
     rows = [w.finish() for w in workers]
     auto = next((r for r in rows if r.get("requested") == "auto"), None)
     if auto:
@@ -475,15 +485,19 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio_tokens_per_s_vs_plain"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
         peak = peaks.get(PEAK_DTYPE.get(r["precision"], ""))
         r["fraction_of_matmul_peak"] = r["flops"] / r["wall_s"] / peak["flops_per_s"] if peak else None
+        r["fraction_of_matmul_peak_cpu_time"] = r["flops"] / r["cpu_s"] / peak["flops_per_cpu_s"] if peak else None
     print()
     print(table(rows, peaks))
     others = max(r["others_cpu_fraction"] for r in rows)
     print(f"({rows[0]['sentences']} sentences, {rows[0]['tokens']} wordpieces incl. specials. GFLOP/s: useful FLOPs "
           f"only (no padding; the extractor's without the last layer's output projection and feed-forward block). "
+          f"CPU s: the side's process CPU time in its fastest-CPU run; of peak (CPU time): useful FLOPs per CPU-second "
+          f"over the matmul's FLOPs per CPU-second, which other processes change little at --threads 1. "
           f"others' CPU: share of the machine's CPU time other processes used while that side ran"
           + (f"; up to {others:.0%}: these timings are slowed by them, the one-sentence loop most" if others > 0.1
              else "") + ")")
-    result = dict(machine=info, encoder=a.encoder, split=a.split, sentences=a.sentences, matmul_peak=peaks, rows=rows)
+    result = dict(machine=info, encoder=a.encoder, split=a.split, sentences=a.sentences, threads=a.threads or None,
+                  rounds=len(peak_runs[dtypes[0]]), matmul_peak=peaks, rows=rows)
 
     if a.check:
         c = check(args, [p for p in precisions if p != "auto"])
