@@ -1,17 +1,19 @@
 """Benchmark: the project's attention extractor vs a plain Hugging Face loop, same sentences, one run.
 
     python bench/extract_speed.py [--encoder minilm|bert-base-random|<hub id or path>] [--split dev]
-        [--sentences N] [--device auto|cpu|cuda] [--precision 32-true bf16-mixed ... auto] [--out results.json]
-        [--check]
+        [--sentences N] [--device auto|cpu|cuda] [--precision 32-true bf16-mixed ... auto] [--rounds R]
+        [--threads N] [--out results.json] [--check]
 
 Prints, side by side: the plain loop's tokens/s (transformers forward with ``output_attentions``, one
 sentence at a time, fp32), the extractor at each explicit precision and at ``auto`` (and what ``auto``
 chose), each as a ratio to the plain loop, and the fraction of this machine's measured matmul throughput
-(2048x2048 matmuls on the same threads) that each side's useful FLOPs reach. Each side runs in its own
-fresh child process ("spawn"): an untimed warm-up on the first ``--warmup`` sentences, then the fastest of up
-to ``--repeats`` timed runs (no new run once ``--budget`` seconds are spent). Timed: tokenization, forward passes, pooling and writing (extractor: the
-whole `extract` call, Trainer setup included; `auto`: also choosing the precision, measured as on a first
-run). Not timed: imports, model loading, data reading. See bench/README.md.
+in the side's compute dtype (2048x2048 matmuls on the same threads, fp32 and bf16) that each side's useful
+FLOPs reach. Each side runs in its own spawned process, loaded and warmed up (untimed, on the first
+``--warmup`` sentences) before any timing; then up to ``--rounds`` rounds each time the matmul peaks and run
+every side once, in a rotated order, so that the machine's load falls on all of them alike; each side's
+fastest run and each dtype's best peak are reported. Timed: tokenization, forward passes, pooling and
+writing (extractor: the whole `extract` call, Trainer setup included; `auto`: also choosing the precision,
+measured as on a first run). Not timed: imports, model loading, data reading. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -114,13 +116,16 @@ def matmul_peak(device: str, dtype_name: str, n: int = 2048, budget_s: float = 3
     dtype = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)[dtype_name]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
+    cpu = []  # CPU seconds of each timed matmul
+
     def once(m: int) -> float:
         a = torch.randn(m, m, device=device).to(dtype)
         b = torch.randn(m, m, device=device).to(dtype)
         sync()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         F.linear(a, b)  # a @ b.T
         sync()
+        cpu.append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     m = 256
@@ -128,8 +133,9 @@ def matmul_peak(device: str, dtype_name: str, n: int = 2048, budget_s: float = 3
     while m < n and 8 * t < budget_s:  # doubling n costs 8x
         m *= 2
         t = once(m)
+    cpu.clear()
     best = min([t] + [once(m) for _ in range(3)])
-    return dict(dtype=dtype_name, n=m, flops_per_s=2 * m ** 3 / best)
+    return dict(dtype=dtype_name, n=m, flops_per_s=2 * m ** 3 / best, flops_per_cpu_s=2 * m ** 3 / min(cpu))
 
 
 PEAK_DTYPE = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16", "16-true": "fp16"}
@@ -179,14 +185,18 @@ def run_extract(encoder, sentences, device: str, precision: str, cache_dir: str,
     return extract(encoder, sentences, key, cache_dir, make_trainer("gpu" if device == "cuda" else "cpu", precision))
 
 
-def child(side: str, args: dict, precision: str | None, queue) -> None:
-    """Runs in a fresh spawned process; puts one result dict on `queue`."""
+def child(side: str, args: dict, precision: str | None, commands, results) -> None:
+    """A worker in a fresh spawned process: loads its side, warms up (untimed), puts ``ready``, then runs one
+    timed run per ``run`` command from ``commands`` (putting its wall and CPU seconds on ``results``) until
+    ``stop`` (then puts its totals). Every side lives while the others run, so the parent can interleave them."""
     try:
         _quiet()
         import torch
 
         from probes.extract.precision import resolve_precision
 
+        if args.get("threads"):
+            torch.set_num_threads(args["threads"])
         device = resolve_device(args["device"])
         sentences = load_words(args["split"], args["sentences"], args["data_dir"])
         encoder = load_bench_encoder(args["encoder"])
@@ -194,98 +204,116 @@ def child(side: str, args: dict, precision: str | None, queue) -> None:
         res = dict(side=side, device=device, n_input=len(sentences), threads=torch.get_num_threads())
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         warm = sentences[:args.get("warmup", 0)]
-        repeats, budget = max(1, args.get("repeats", 1)), args.get("budget_s", 0.0)
+        out: dict = {}
+        with tempfile.TemporaryDirectory(prefix="extract-bench-") as tmp:
+            if side == "plain":
+                model = encoder.model.to(device)  # fp32 on either device
+                plain_loop(model, encoder.tokenizer, warm, device, encoder.max_length)  # untimed warm-up
 
-        def best_of(run) -> list[float]:
-            """Wall times of up to `repeats` timed runs, stopping once `budget` seconds are spent."""
-            walls = []
-            while len(walls) < repeats and (not walls or sum(walls) < budget):
-                walls.append(run())
-            return walls
+                def run() -> None:
+                    out["r"] = plain_loop(model, encoder.tokenizer, sentences, device, encoder.max_length)
+            else:
+                from probes.extract.precision import candidates
 
-        if side == "plain":
-            model = encoder.model.to(device)  # fp32 on either device
-            plain_loop(model, encoder.tokenizer, warm, device, encoder.max_length)  # untimed warm-up
-            out = {}
-
-            def run() -> float:
-                sync()
-                t0 = time.perf_counter()
-                out["r"] = plain_loop(model, encoder.tokenizer, sentences, device, encoder.max_length)
-                sync()
-                return time.perf_counter() - t0
-
-            walls = best_of(run)
-            n_sent, lengths, n_bytes, _ = out["r"]
-            res.update(precision="32-true", wall_s=min(walls), walls_s=walls, sentences=n_sent, tokens=sum(lengths),
-                       map_bytes=n_bytes, flops=sum(flops_per_sentence(encoder.config, T, False) for T in lengths),
-                       cache_bytes=None)
-        else:
-            from probes.extract.precision import candidates
-            from probes.model.inputs import encode_words
-
-            with tempfile.TemporaryDirectory(prefix="extract-bench-") as tmp:
                 if warm:  # untimed warm-up (auto: at its first candidate, so the timed run still chooses)
                     first = candidates(device)[0] if precision == "auto" else precision
                     run_extract(encoder, warm, device, first, tmp, args["split"] + "-warmup")
-                out = {}
 
-                def run() -> float:
+                def run() -> None:
                     store = tempfile.mkdtemp(dir=tmp)  # auto: an empty precision.json, as on a first run
                     t0 = time.perf_counter()
                     chosen = resolve_precision(precision, "gpu" if device == "cuda" else "cpu", encoder, sentences,
                                                cache_dir=store, margin=args["precision_margin"])
-                    out["choose_s"] = time.perf_counter() - t0
+                    out.setdefault("choose_s", []).append(time.perf_counter() - t0)
+                    if "cache" in out:  # the previous run's entry: free the disk before writing the next
+                        shutil.rmtree(out["cache"].path, ignore_errors=True)
                     out["cache"] = run_extract(encoder, sentences, device, chosen, tmp, args["split"])
                     out["chosen"] = chosen
-                    return time.perf_counter() - t0
 
-                walls = best_of(run)
+            results.put(dict(side=side, ready=True))
+            while commands.get() == "run":
+                sync()
+                c0, t0 = time.process_time(), time.perf_counter()
+                run()
+                sync()
+                results.put(dict(side=side, wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0))
+
+            if side == "plain":
+                n_sent, lengths, n_bytes, _ = out["r"]
+                res.update(precision="32-true", sentences=n_sent, tokens=sum(lengths), map_bytes=n_bytes,
+                           flops=sum(flops_per_sentence(encoder.config, T, False) for T in lengths), cache_bytes=None)
+            else:
+                from probes.model.inputs import encode_words
+
                 cache = out["cache"]
                 m = cache.manifest
                 lengths = [e.n_pieces for i, e in enumerate(encode_words(encoder.tokenizer, sentences)) if i in cache]
-            res.update(precision=out["chosen"], requested=precision, choose_s=out["choose_s"], wall_s=min(walls),
-                       walls_s=walls, sentences=m["n_sentences"] - len(m["skipped"]), tokens=int(m["n_pieces"]),
-                       flops=sum(flops_per_sentence(encoder.config, T, True) for T in lengths),
-                       cache_bytes=int(m["bytes"]), map_bytes=None)
+                res.update(precision=out["chosen"], requested=precision, choose_s=min(out["choose_s"]),
+                           sentences=m["n_sentences"] - len(m["skipped"]), tokens=int(m["n_pieces"]),
+                           flops=sum(flops_per_sentence(encoder.config, T, True) for T in lengths),
+                           cache_bytes=int(m["bytes"]), map_bytes=None)
         res["peak_rss_kib"] = peak_rss_kib()
         if device == "cuda":
             res["gpu_peak_alloc_bytes"] = int(torch.cuda.max_memory_allocated())
-        queue.put(res)
+        results.put(res)
     except BaseException as e:  # report, don't hang the parent
         import traceback
 
-        queue.put(dict(side=side, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+        results.put(dict(side=side, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
 
 
-def cpu_seconds() -> tuple[float, float]:
-    """(busy CPU-seconds of the whole machine since boot, CPU-seconds of this process and its waited-for
-    children): their difference over an interval is what other processes used."""
-    busy = 0.0
+def machine_busy_s() -> float:
+    """Busy CPU-seconds of the whole machine since boot (all but idle and iowait; steal included)."""
     try:
-        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        j = [int(x) for x in f]
-        busy = (sum(j[:8]) - j[3] - j[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        j = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(j[:8]) - j[3] - j[4]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        pass
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return busy, me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+        return 0.0
 
 
-def run_child(side: str, args: dict, precision: str | None = None) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=child, args=(side, args, precision, q))
-    (busy0, ours0), t0 = cpu_seconds(), time.time()
-    p.start()
-    res = q.get()
-    p.join()
-    (busy1, ours1), wall = cpu_seconds(), time.time() - t0
-    res["others_cpu_fraction"] = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (wall * (os.cpu_count() or 1))
-    if "error" in res:
-        sys.stderr.write(res["traceback"])
-        raise SystemExit(f"{side} ({precision or 'fp32'}) failed: {res['error']}")
-    return res
+class Worker:
+    """The parent's handle on one :func:`child`."""
+
+    def __init__(self, side: str, args: dict, precision: str | None = None):
+        ctx = mp.get_context("spawn")
+        self.side, self.precision = side, precision
+        self.commands, self.results = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=child, args=(side, args, precision, self.commands, self.results))
+        self.process.start()
+        self.walls: list[float] = []
+        self.cpus: list[float] = []  # CPU seconds of the side's process during each run
+        self.others: list[float] = []
+
+    @property
+    def name(self) -> str:
+        return "plain" if self.side == "plain" else f"extract({self.precision})"
+
+    def get(self) -> dict:
+        res = self.results.get()
+        if "error" in res:
+            sys.stderr.write(res["traceback"])
+            raise SystemExit(f"{self.name} failed: {res['error']}")
+        return res
+
+    def run_once(self) -> float:
+        """One timed run; records its wall time and the share of the machine's CPU others used meanwhile."""
+        busy0 = machine_busy_s()
+        self.commands.put("run")
+        r = self.get()
+        busy = machine_busy_s() - busy0
+        self.walls.append(r["wall_s"])
+        self.cpus.append(r["cpu_s"])
+        self.others.append(max(0.0, busy - r["cpu_s"]) / (r["wall_s"] * (os.cpu_count() or 1)))
+        return r["wall_s"]
+
+    def finish(self) -> dict:
+        self.commands.put("stop")
+        res = self.get()
+        self.process.join()
+        best = min(range(len(self.walls)), key=self.walls.__getitem__)
+        return dict(res, wall_s=self.walls[best], walls_s=self.walls, cpu_s=min(self.cpus), cpus_s=self.cpus,
+                    others_cpu_fraction=self.others[best],
+                    others_cpu_fractions=self.others)
 
 
 # ----------------------------------------------------------------------------- --check
@@ -365,8 +393,8 @@ def machine() -> dict:
 
 def table(rows: list[dict], peaks: dict) -> str:
     base = rows[0]["tokens_per_s"]
-    head = ["side", "precision", "tok/s", "x plain", "GFLOP/s", "of matmul peak", "wall s", "peak RSS MiB",
-            "others' CPU"]
+    head = ["side", "precision", "tok/s", "x plain", "GFLOP/s", "of matmul peak", "wall s", "CPU s",
+            "of peak (CPU time)", "peak RSS MiB", "others' CPU"]
     body = []
     for r in rows:
         name = "plain HF loop" if r["side"] == "plain" else (
@@ -374,7 +402,8 @@ def table(rows: list[dict], peaks: dict) -> str:
         peak = peaks.get(PEAK_DTYPE.get(r["precision"], ""))
         frac = f"{r['flops'] / r['wall_s'] / peak['flops_per_s']:.0%} ({peak['dtype']})" if peak else "-"
         body.append([name, r["precision"], f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / base:.2f}",
-                     f"{r['flops'] / r['wall_s'] / 1e9:.1f}", frac, f"{r['wall_s']:.1f}",
+                     f"{r['flops'] / r['wall_s'] / 1e9:.1f}", frac, f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
+                     f"{r['flops'] / r['cpu_s'] / peak['flops_per_cpu_s']:.0%}" if peak else "-",
                      f"{r['peak_rss_kib'] / 1024:.0f}", f"{r['others_cpu_fraction']:.0%}"])
     w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     fmt = lambda cells: "  ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(cells))  # noqa: E731
@@ -388,9 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sentences", "--max-sentences", type=int, default=1000, dest="sentences",
                     help="first N sentences of the split (0: all; default 1000)")
     ap.add_argument("--warmup", type=int, default=100, help="untimed warm-up on the first N sentences in each child")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="timed runs per side, the fastest reported (default 3; fewer once --budget is spent)")
-    ap.add_argument("--budget", type=float, default=20.0, help="seconds of timed runs per side before repeating stops")
+    ap.add_argument("--rounds", "--repeats", type=int, default=3, dest="rounds",
+                    help="rounds: each times the matmul peaks and runs every side once, in a rotated order; each "
+                         "side's fastest run and each peak's best are reported (default 3)")
+    ap.add_argument("--budget", type=float, default=120.0,
+                    help="no new round once this many seconds of timed runs are spent (default 120)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads in every side and the peaks (0: torch's)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--precision", nargs="+", default=None,
                     help="extractor precisions, each a separate run (default: every explicit candidate of the "
@@ -408,43 +440,64 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(a.device)
     precisions = a.precision or (["16-mixed", *(["bf16-mixed"] if torch.cuda.is_bf16_supported() else []), "32-true"]
                                  if device == "cuda" else ["32-true", "bf16-mixed"]) + ["auto"]
+    if a.threads:
+        torch.set_num_threads(a.threads)
     args = dict(encoder=a.encoder, split=a.split, sentences=a.sentences or None, device=a.device, data_dir=a.data_dir,
-                warmup=a.warmup, repeats=a.repeats, budget_s=a.budget, precision_margin=a.precision_margin)
+                warmup=a.warmup, threads=a.threads, precision_margin=a.precision_margin)
     info = machine()
     print(f"machine: CPU {info['cpu']} ({info['cores']} logical CPUs, torch threads {info['torch_threads']}, "
           f"{info['cpu_capability']}, native bf16: {'yes' if info['cpu_native_bf16'] else 'no'}), "
           f"GPU: {info['gpu'] or 'none'}, torch {info['torch']}; load average {info['loadavg_1min_at_start']:.2f}")
     print(f"encoder: {a.encoder}; data: UD EWT {a.split}" + (f", first {a.sentences} sentences" if a.sentences else "")
-          + f"; device {device}; plain loop: fp32, one sentence at a time; each side: untimed warm-up on the first "
-          f"{a.warmup} sentences, then the fastest of up to {a.repeats} timed runs (no new run after {a.budget:g} s)",
-          flush=True)
+          + f"; device {device}; plain loop: fp32, one sentence at a time; each side in its own process: untimed "
+          f"warm-up on the first {a.warmup} sentences, then up to {a.rounds} rounds (no new round after {a.budget:g} s) "
+          f"that time the matmul peaks and run every side once, interleaved; best of the rounds reported", flush=True)
 
-    peaks = {}
-    for dt in (["fp32", "fp16", "bf16"] if device == "cuda" else ["fp32", "bf16"]):
-        peaks[dt] = matmul_peak(device, dt)
-    print("matmul peak (best of 3, after warm-up): " + ", ".join(
-        f"{p['dtype']} {p['flops_per_s'] / 1e9:.1f} GFLOP/s ({p['n']}x{p['n']})" for p in peaks.values()), flush=True)
-
-    rows = [run_child("plain", args)]
-    print(f"  plain loop done: {', '.join(f'{w:.1f}' for w in rows[0]['walls_s'])} s", flush=True)
-    for p in precisions:
-        rows.append(run_child("extract", args, p))
-        extra = f" (chose {rows[-1]['precision']} in {rows[-1]['choose_s']:.1f} s)" if p == "auto" else ""
-        print(f"  extract({p}) done: {', '.join(f'{w:.1f}' for w in rows[-1]['walls_s'])} s{extra}", flush=True)
+    workers = [Worker("plain", args)] + [Worker("extract", args, p) for p in precisions]
+    for w in workers:  # loading and warm-up, all at once (untimed)
+        w.get()
+    dtypes = ["fp32", "fp16", "bf16"] if device == "cuda" else ["fp32", "bf16"]
+    peak_runs: dict[str, list[dict]] = {dt: [] for dt in dtypes}
+    spent = 0.0
+    for r in range(max(1, a.rounds)):
+        if r and spent > a.budget:
+            break
+        for dt in dtypes:  # in this process, while every worker waits
+            peak_runs[dt].append(matmul_peak(device, dt))
+        order = workers[r % len(workers):] + workers[:r % len(workers)]  # rotated: no side always first
+        walls = {w.name: w.run_once() for w in order}
+        spent += sum(walls.values())
+        print(f"  round {r + 1}: peaks " + ", ".join(f"{dt} {peak_runs[dt][-1]['flops_per_s'] / 1e9:.0f}" for dt in dtypes)
+              + " GFLOP/s; " + ", ".join(f"{w.name} {walls[w.name]:.1f} s" for w in workers), flush=True)
+    peaks = {dt: max(v, key=lambda p: p["flops_per_s"]) for dt, v in peak_runs.items()}
+    for dt, p in peaks.items():
+        p["all_flops_per_s"] = [q["flops_per_s"] for q in peak_runs[dt]]
+        p["flops_per_cpu_s"] = max(q["flops_per_cpu_s"] for q in peak_runs[dt])
+    print("matmul peak (best of the rounds; each round: best of 3 after a warm-up): " + ", ".join(
+        f"{p['dtype']} {p['flops_per_s'] / 1e9:.1f} GFLOP/s ({p['n']}x{p['n']}; "
+        f"{p['flops_per_cpu_s'] / 1e9:.1f} per CPU-second)" for p in peaks.values()), flush=True)
+    rows = [w.finish() for w in workers]
+    auto = next((r for r in rows if r.get("requested") == "auto"), None)
+    if auto:
+        print(f"  auto chose {auto['precision']} (fastest choice {auto['choose_s']:.2f} s)")
     for r in rows:
         r["tokens_per_s"] = r["tokens"] / r["wall_s"]
         r["ratio_tokens_per_s_vs_plain"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
         peak = peaks.get(PEAK_DTYPE.get(r["precision"], ""))
         r["fraction_of_matmul_peak"] = r["flops"] / r["wall_s"] / peak["flops_per_s"] if peak else None
+        r["fraction_of_matmul_peak_cpu_time"] = r["flops"] / r["cpu_s"] / peak["flops_per_cpu_s"] if peak else None
     print()
     print(table(rows, peaks))
     others = max(r["others_cpu_fraction"] for r in rows)
     print(f"({rows[0]['sentences']} sentences, {rows[0]['tokens']} wordpieces incl. specials. GFLOP/s: useful FLOPs "
           f"only (no padding; the extractor's without the last layer's output projection and feed-forward block). "
+          f"CPU s: the side's process CPU time in its fastest-CPU run; of peak (CPU time): useful FLOPs per CPU-second "
+          f"over the matmul's FLOPs per CPU-second, which other processes change little at --threads 1. "
           f"others' CPU: share of the machine's CPU time other processes used while that side ran"
           + (f"; up to {others:.0%}: these timings are slowed by them, the one-sentence loop most" if others > 0.1
              else "") + ")")
-    result = dict(machine=info, encoder=a.encoder, split=a.split, sentences=a.sentences, matmul_peak=peaks, rows=rows)
+    result = dict(machine=info, encoder=a.encoder, split=a.split, sentences=a.sentences, threads=a.threads or None,
+                  rounds=len(peak_runs[dtypes[0]]), matmul_peak=peaks, rows=rows)
 
     if a.check:
         c = check(args, [p for p in precisions if p != "auto"])

@@ -20,7 +20,7 @@ from probes.extract.representations import HiddenStates
 from probes.extract.run import ensure_cache, ensure_caches
 from probes.extract.runner import TreebankSplit, entry_path
 from probes.extract.settings import ExtractSettings
-from probes.extract.stage import AttentionExtractor, AttentionMaps, extract, make_batch, precision_timer, \
+from probes.extract.stage import AttentionExtractor, AttentionMaps, extract, linears_in, make_batch, precision_timer, \
     pooling_matrices, timing_batches
 from probes.model.inputs import encode_words, length_batches, pool_attention, pooling_matrix
 from probes.model.load import Encoder, tiny_bert
@@ -111,6 +111,33 @@ def test_extract_matches_plain_forward_and_reuses_cache(tmp_path):
     mtime = (cache.path / "manifest.json").stat().st_mtime_ns
     again = extract(enc, SENTS, key, tmp_path, TRAINER, max_tokens=64)  # hit: nothing rewritten
     assert (again.path / "manifest.json").stat().st_mtime_ns == mtime
+
+
+def test_bf16_extraction_casts_linear_weights_once_bit_identically(tmp_path):
+    """bf16-mixed: the cache written with every nn.Linear held in bf16 (``linears_in``) equals, byte for byte, the
+    maps of autocast casting the fp32 weights at every call; afterwards the model holds its own fp32 weights."""
+    enc = tiny_bert(max_position_embeddings=128)
+    before = {n: p.detach().clone() for n, p in enc.model.named_parameters()}
+    params = {n: p for n, p in enc.model.named_parameters()}
+    bf16 = functools.partial(TRAINER, precision="bf16-mixed")
+    cache = extract(enc, SENTS, dict(encoder=enc.name, dataset="synthetic", split="dev"), tmp_path, bf16)  # one batch
+    ex = AttentionExtractor(enc.model, enc.num_layers)
+    encoded = encode_words(enc.tokenizer, SENTS)
+    batch = make_batch(encoded, list(range(len(SENTS))), "mean", "sum", enc.tokenizer.pad_token_id)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        per_call = ex.predict_step(batch)["maps"]  # (B, L, H, W, W) float16, fp32 weights cast per call
+        with linears_in(enc.model, "bf16-mixed"):
+            assert all(m.weight.dtype == torch.bfloat16 for m in enc.model.modules() if isinstance(m, torch.nn.Linear))
+            once = ex.predict_step(batch)["maps"]
+    assert torch.equal(once, per_call)
+    for i, e in enumerate(encoded):
+        W = e.n_words + 2
+        assert np.array_equal(cache[i], per_call[i, :, :, :W, :W].numpy()), i
+    # the same fp32 Parameter objects are back, unchanged
+    assert all(p is params[n] and p.dtype == torch.float32 and torch.equal(p, before[n])
+               for n, p in enc.model.named_parameters())
+    with linears_in(enc.model, "32-true"):  # full precision: nothing is touched
+        assert all(p is params[n] for n, p in enc.model.named_parameters())
 
 
 def test_long_sentences_are_skipped_and_counted_or_rejected(tmp_path):

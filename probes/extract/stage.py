@@ -12,7 +12,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytorch_lightning as pl
 import torch
@@ -71,6 +71,33 @@ class SentenceBatches(Dataset):
     def __getitem__(self, b: int) -> dict[str, torch.Tensor]:
         return make_batch([self.encoded[i] for i in self.batches[b]], [self.indices[i] for i in self.batches[b]],
                           self.from_pool, self.to_pool, self.pad_id)
+
+
+LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # autocast's compute dtype
+
+
+@contextlib.contextmanager
+def linears_in(model: torch.nn.Module, precision: str) -> Iterator[None]:
+    """Inside the block, every ``nn.Linear``'s weight and bias are held in the compute dtype of a mixed
+    ``precision`` (``bf16-mixed``, ``16-mixed``; other precisions: nothing changes); restored after.
+
+    Autocast casts a float32 weight to the compute dtype at every call (its cast cache only keeps leaves
+    that require grad); a weight already in that dtype is used as it is, so the results are bit-identical
+    while each weight is cast once per extraction instead of once per batch and layer."""
+    dtype = LOW_PRECISION.get(str(precision))
+    saved = []  # (module, fp32 weight, fp32 bias)
+    if dtype is not None:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32:
+                saved.append((m, m.weight, m.bias))
+                m.weight = torch.nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+                if m.bias is not None:
+                    m.bias = torch.nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+    try:
+        yield
+    finally:
+        for m, w, b in saved:
+            m.weight, m.bias = w, b
 
 
 def pool_layers(probs: list[torch.Tensor], from_mat: torch.Tensor, to_mat: torch.Tensor,
@@ -205,7 +232,7 @@ def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, token
 
     def time_fn(precision: str) -> float:
         if device == "cuda":
-            with torch.inference_mode(), autocast(precision, device):
+            with linears_in(ex.model, precision), torch.inference_mode(), autocast(precision, device):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 ex.predict_step(batch)
@@ -214,7 +241,7 @@ def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, token
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            with torch.inference_mode(), autocast(precision, device):
+            with linears_in(ex.model, precision), torch.inference_mode(), autocast(precision, device):
                 t0 = time.thread_time()
                 ex.predict_step(batch)
                 return (time.thread_time() - t0) / n_tokens
@@ -332,8 +359,11 @@ def _extract(
                         persistent_workers=False, pin_memory=False)
     log.info("extracting attention: %d sentences, %d batches -> %s", len(kept), len(batches), final_dir)
     log.info("map kind: %s", maps)
-    t.predict(AttentionExtractor(encoder.model, encoder.num_layers, None if maps == "attention" else measure),
-              loader, return_predictions=False)
+    # attention: linear weights cast once to a mixed precision's compute dtype (bit-identical); other map kinds
+    # read weights themselves, so they keep them as loaded
+    with linears_in(encoder.model, str(t.precision) if maps == "attention" else "32-true"):
+        t.predict(AttentionExtractor(encoder.model, encoder.num_layers, None if maps == "attention" else measure),
+                  loader, return_predictions=False)
     return C.AttentionCache(final_dir)
 
 
@@ -360,3 +390,4 @@ class AttentionMaps:
     def open(self, path: str | Path) -> C.AttentionCache:
         """The complete entry at ``path``."""
         return C.AttentionCache(path)
+
