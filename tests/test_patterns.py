@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from hydra.errors import InstantiationException
 
 from probes.patterns.__main__ import main as patterns_main
 from probes.patterns.datamodule import PatternDataModule, stratified_split
@@ -359,3 +360,81 @@ def test_pattern_types_analysis_on_tiny_bert(trained_run, tmp_path):
     assert len(shift) == 4 and (shift["diff"].abs() < 1e-12).all() and not shift["shift"].any()  # same weights
     summary = json.loads((out / "summary.json").read_text())
     assert summary["results"]["rte/pre-trained"]["n_skipped_length"] == 1
+
+
+def test_augmentations_keep_the_label_of_each_class():
+    from probes.patterns.augment import ReverseTokens, Transpose, variants
+
+    rng = np.random.default_rng(0)
+    a = rng.random((7, 7)).astype(np.float32)
+    augs = [ReverseTokens(), Transpose(["diagonal", "block", "heterogeneous"])]
+    v = variants(a, "diagonal", augs)   # identity, reversed, transposed, reversed then transposed
+    expected = [a, a[::-1, ::-1], a.T, a[::-1, ::-1].T]
+    assert len(v) == 4 and all(np.array_equal(x, y) for x, y in zip(v, expected))
+    for label in ("vertical", "vertical+diagonal"):   # a transposed stripe would be horizontal: never made
+        got = variants(a, label, augs)
+        assert len(got) == 2 and np.array_equal(got[1], a[::-1, ::-1])
+        assert not any(np.array_equal(x, a.T) for x in got)
+    col = np.zeros((6, 6), np.float32)
+    col[:, 0] = 1
+    rev = ReverseTokens()(col)
+    assert np.array_equal(rev[:, -1], np.ones(6)) and rev[:, :-1].sum() == 0   # a column stays a column
+    with pytest.raises(ValueError, match="classes"):
+        Transpose([])
+
+
+def test_datamodule_augment_from_config_and_bad_class_named(tmp_path):
+    from hydra.utils import instantiate
+
+    write_pattern_folder(tmp_path / "data" / "attention_patterns", per_class=6)
+    tr = "+data.augment.transpose._target_=probes.patterns.augment.Transpose"
+    cfg = compose_train(["experiment=patterns", f"paths.data_dir={tmp_path / 'data'}", tr,
+                         "+data.augment.transpose.classes=[diagonal,block,heterogeneous]"])
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    n_var = {CLASSES[y]: len(x) for x, y in zip(dm.datasets["train"].x, dm.datasets["train"].y)}
+    assert n_var == {"vertical": 2, "vertical+diagonal": 2, "diagonal": 4, "block": 4, "heterogeneous": 4}
+    x, _, _ = next(iter(dm.train_dataloader()))
+    assert x.shape[1:] == (2, 32, 32)
+    bad = compose_train(["experiment=patterns", f"paths.data_dir={tmp_path / 'data'}", tr,
+                         "+data.augment.transpose.classes=[diagonal,horizontal]"])
+    with pytest.raises(InstantiationException, match=r"data\.augment.*horizontal"):
+        instantiate(bad.data)
+
+
+def test_folds_with_an_inner_validation_split(tmp_path):
+    from probes.patterns.datamodule import stratified_folds
+
+    labels = write_pattern_folder(tmp_path / "attention_patterns", per_class=8)
+    parts = stratified_folds(labels, 4, seed=3)
+    dm = PatternDataModule(str(tmp_path / "attention_patterns"), folds=4, fold=1, seed=3, fractions=(0.6, 0.2, 0.2))
+    dm.setup("fit")
+    tr, va, te = (set(dm.split_ids[s]) for s in ("train", "val", "test"))
+    assert te == set(parts[1]) and not (tr & va) and not (te & (tr | va)) and tr | va | te == set(labels)
+    for cls in CLASSES:   # 6 non-test maps per class: train:val = 0.6:0.2, i.e. 1.5 (rounded 2) in val
+        assert sum(labels[k] == cls for k in va) == 2, cls
+    assert len(dm.datasets["val"]) == len(va) == 10
+    dm_all = PatternDataModule(str(tmp_path / "attention_patterns"), folds=4, fold=1, seed=3, fractions=(1, 0, 0))
+    dm_all.setup("fit")
+    assert not dm_all.split_ids["val"] and set(dm_all.split_ids["train"]) == tr | va
+
+
+def test_crossval_with_inner_validation_keeps_the_best_epoch(tmp_path):
+    write_pattern_folder(tmp_path / "data" / "attention_patterns", per_class=6)
+    out = tmp_path / "cv"
+    rc = patterns_main(["crossval", "--folds", "3", "--only-folds", "0", "2", "--n-boot", "20", "--out", str(out),
+                        f"paths.data_dir={tmp_path / 'data'}", "trainer.max_epochs=3", "trainer.accelerator=cpu",
+                        "data.batch_size=8", "data.fractions=[0.6,0.2,0.2]", "trainer.limit_val_batches=1.0",
+                        "callbacks.model_checkpoint.monitor=val/macro_f1"])
+    assert rc == 0
+    pred = pd.read_csv(out / "predictions.csv", dtype={"id": str})
+    assert set(pred.fold) == {0, 2} and len(pred) == 20   # folds of 10 maps; fold 1 left out
+    per_fold = pd.read_csv(out / "per_fold.csv")
+    assert list(per_fold.fold) == [0, 2] and per_fold.epoch.between(0, 2).all()
+    for row in per_fold.to_dict("records"):   # per-fold accuracy recomputed from the predictions
+        g = pred[pred.fold == row["fold"]]
+        assert row["accuracy"] == pytest.approx((g.gold == g.predicted).mean())
+        ckpt = list((out / f"fold_0_{row['fold']}" / "checkpoints").glob("*.ckpt"))   # the kept epoch's
+        assert len(ckpt) == 1 and ckpt[0].name == f"final-{row['epoch']}.ckpt"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["only_folds"] == [0, 2] and summary["n_maps"] == 20

@@ -5,9 +5,14 @@
 optimizer, schedule, epochs, augmentation) plus the overrides. For each repeat r and fold i the labelled
 maps are dealt into ``folds`` stratified folds (:func:`probes.patterns.datamodule.stratified_folds`, seed
 = ``seed + r``); a fresh CNN
-(seed ``seed + r``) is trained on the other folds for the config's ``trainer.max_epochs`` (no validation
-split, no epoch selection: nothing is chosen on the held-out fold) and predicts fold i. Every map is
-predicted once per repeat, by a model that never saw it.
+(seed ``seed + r``) is trained on the other folds with the config's trainer and callbacks and predicts
+fold i. Without a validation split (``experiment=patterns``: ``data.fractions: [1, 0, 0]``) that is a
+fixed number of epochs (the last epoch). With one (``data.fractions: [0.6, 0.2, 0.2]``
+``trainer.limit_val_batches=1.0 callbacks.model_checkpoint.monitor=val/macro_f1``, the earlier recipe)
+the other folds are split again, train:val 3:1 (stratified), and the epoch the checkpoint callback keeps
+on those inner validation maps predicts fold i. Nothing is chosen on the held-out fold; every map is
+predicted once per repeat, by a model that never saw it. ``--only-folds`` scores a fixed subset of the
+same folds (a cheaper check, ``tests/test_patterns_regression.py``).
 
 Scores over the out-of-fold predictions (repeats pooled): accuracy, per-class precision / recall / F1
 with 95% intervals (Wilson score intervals for precision and recall, percentile bootstrap over maps
@@ -16,7 +21,8 @@ with at least ``min_support`` maps (the four classes that 450 maps can score; bl
 
 Outputs in ``--out``: ``per_class.csv``, ``confusion.csv`` (rows = gold, columns = predicted; counts
 over repeats: ``analysis=pattern_types`` reads it to correct shares), ``predictions.csv`` (repeat, fold,
-id, gold, predicted), ``summary.json`` (also with the block rule's score, :func:`block_rule`).
+id, gold, predicted), ``per_fold.csv`` (accuracy and supported macro-F1 of each fold, the kept epoch),
+``summary.json`` (also the per-fold mean and SD and the block rule's score, :func:`block_rule`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytorch_lightning as pl
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
@@ -37,6 +44,7 @@ from tqdm.auto import tqdm
 from probes.config import compose as compose_config
 from probes.io import atomic_write, atomic_write_text
 from probes.patterns.datamodule import read_patterns, stratified_folds
+from probes.patterns.module import load_classifier
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +172,30 @@ def block_rule(maps: dict[str, np.ndarray], labels: dict[str, str], meta: dict[s
                 precision=hits / called if called else float("nan"), recall=hits / n_block if n_block else float("nan"))
 
 
+def fold_scores(pred_df: pd.DataFrame, classes: Sequence[str], min_support: int = 5) -> pd.DataFrame:
+    """Accuracy and macro-F1 of each (repeat, fold) of out-of-fold predictions (columns repeat, fold, gold,
+    predicted); the supported macro-F1's classes are those with >= ``min_support`` maps in all of pred_df."""
+    cls = {c: i for i, c in enumerate(classes)}
+    C = len(classes)
+    supported = confusion(pred_df.gold.map(cls).to_numpy(), pred_df.predicted.map(cls).to_numpy(), C).sum(1)
+    supported = supported >= min_support * pred_df.repeat.nunique()
+    rows = []
+    for (r, i), g in pred_df.groupby(["repeat", "fold"], sort=True):
+        s = scores_from_confusion(confusion(g.gold.map(cls).to_numpy(), g.predicted.map(cls).to_numpy(), C))
+        rows.append(dict(repeat=int(r), fold=int(i), n_maps=len(g), accuracy=s["accuracy"],
+                         macro_f1_supported=float(s["f1"][supported].mean()) if supported.any() else float("nan")))
+    return pd.DataFrame(rows)
+
+
 def cross_validate(cfg, out_dir: str | Path, folds: int = 5, repeats: int = 1, n_boot: int = 2000,
-                   min_support: int = 5, progress: bool = True) -> dict:
-    """Run the cross-validation for a composed ``experiment=patterns`` config; writes the report files."""
+                   min_support: int = 5, progress: bool = True, only_folds: Sequence[int] | None = None) -> dict:
+    """Run the cross-validation for a composed ``experiment=patterns`` config; writes the report files.
+
+    The trainer and callbacks are the config's (``trainer.limit_val_batches``, ``callbacks.*``; checkpoints into
+    each fold's folder): with a validation split (``data.fractions`` with a val share, validation batches and a
+    monitored ``callbacks.model_checkpoint``) the kept epoch is the one the callback keeps, chosen on the
+    inner validation maps, never on the held-out fold. ``only_folds``: score just these fold indices (a
+    cheaper, fixed subset; the folds are the same as in the full run)."""
     t0 = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,20 +205,31 @@ def cross_validate(cfg, out_dir: str | Path, folds: int = 5, repeats: int = 1, n
     unknown = sorted(set(labels.values()) - set(classes))
     if unknown:
         raise ValueError(f"{data_dir / 'labels.json'}: labels {unknown} not in classes {classes}")
+    chosen = list(range(folds)) if only_folds is None else sorted({int(i) for i in only_folds})
+    if not chosen or not all(0 <= i < folds for i in chosen):
+        raise ValueError(f"only_folds must name fold indices in 0..{folds - 1}, got {only_folds}")
     cls = {c: i for i, c in enumerate(classes)}
-    rows = []
-    bar = tqdm(total=folds * repeats, desc="pattern CNN cross-validation", disable=not progress)
+    rows, kept = [], []
+    bar = tqdm(total=len(chosen) * repeats, desc="pattern CNN cross-validation", disable=not progress)
     for r in range(repeats):
         seed = int(cfg.seed) + r
         for i, test_ids in enumerate(stratified_folds(labels, folds, seed)):
+            if i not in chosen:
+                continue
+            fold_dir = out / f"fold_{r}_{i}"
             pl.seed_everything(seed, workers=True)
             dm = instantiate(cfg.data, folds=folds, fold=i, seed=seed)
             model = instantiate(cfg.probe, report_dir=None)
-            trainer = instantiate(cfg.trainer, callbacks=[], logger=False, enable_checkpointing=False,
-                                  limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
-                                  default_root_dir=str(out / f"fold_{r}_{i}"))
+            callbacks = [instantiate(c, **({"dirpath": str(fold_dir / "checkpoints")} if "dirpath" in c else {}))
+                         for c in (cfg.get("callbacks") or {}).values()]
+            trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                                  enable_model_summary=False, default_root_dir=str(fold_dir))
             trainer.fit(model, datamodule=dm)
-            assert dm.split_ids["test"] == test_ids
+            assert dm.split_ids["test"] == test_ids and not set(test_ids) & set(dm.split_ids["val"])
+            ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            if ckpt:  # the epoch the checkpoint callback kept (the last one when it monitors nothing)
+                model = load_classifier(ckpt)
+                kept.append(dict(repeat=r, fold=i, epoch=int(torch.load(ckpt, weights_only=True)["epoch"])))
             pred = model.predict_maps([maps[k] for k in test_ids])
             rows += [dict(repeat=r, fold=i, id=k, gold=labels[k], predicted=classes[p]) for k, p in zip(test_ids, pred)]
             bar.update(1)
@@ -198,15 +238,24 @@ def cross_validate(cfg, out_dir: str | Path, folds: int = 5, repeats: int = 1, n
     gold = pred_df.gold.map(cls).to_numpy()
     pred = pred_df.predicted.map(cls).to_numpy()
     per_class, summary, cm = report(gold, pred, classes, n_boot, int(cfg.seed), min_support)
-    summary.update(folds=folds, repeats=repeats, epochs=int(cfg.trainer.max_epochs), data_dir=str(data_dir),
-                   n_labelled=len(labels), seconds=round(time.time() - t0, 1),
-                   block_rule=block_rule(maps, labels, meta))
+    per_fold = fold_scores(pred_df, classes, min_support)
+    if kept:
+        per_fold = per_fold.merge(pd.DataFrame(kept), on=["repeat", "fold"], how="left")
+    summary.update(folds=folds, only_folds=None if only_folds is None else chosen, repeats=repeats,
+                   epochs=int(cfg.trainer.max_epochs), data_dir=str(data_dir), n_labelled=len(labels),
+                   per_fold=per_fold.to_dict("records"),
+                   per_fold_macro_f1_supported_mean_sd=[float(per_fold.macro_f1_supported.mean()),
+                                                        float(per_fold.macro_f1_supported.std(ddof=1))]
+                   if len(per_fold) > 1 else None,
+                   seconds=round(time.time() - t0, 1), block_rule=block_rule(maps, labels, meta))
     atomic_write(out / "predictions.csv", lambda tmp: pred_df.to_csv(tmp, index=False))
     atomic_write(out / "per_class.csv", lambda tmp: per_class.to_csv(tmp, index=False))
+    atomic_write(out / "per_fold.csv", lambda tmp: per_fold.to_csv(tmp, index=False))
     cm_df = pd.DataFrame(cm, index=pd.Index(classes, name="gold"), columns=classes).reset_index()
     atomic_write(out / "confusion.csv", lambda tmp: cm_df.to_csv(tmp, index=False))
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    log.info("cross-validated pattern CNN (%s):\n%s", out, per_class.round(3).to_string(index=False))
+    log.info("cross-validated pattern CNN (%s):\n%s\nper fold:\n%s", out, per_class.round(3).to_string(index=False),
+             per_fold.round(3).to_string(index=False))
     return summary
 
 

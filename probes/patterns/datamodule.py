@@ -6,13 +6,17 @@ share of a class is rounded, and a class with at least 3 maps gets at least one 
 test (the 4 ``block`` maps: 2 / 1 / 1). The three id sets are disjoint and cover every labelled map.
 
 Cross-validation (``folds=k``, ``fold=i``; :mod:`probes.patterns.crossval`): test = fold i of
-:func:`stratified_folds` (seeded with ``seed``), train = the other folds, no validation split.
-``fractions: [1, 0, 0]`` puts every map in train (the released checkpoint).
+:func:`stratified_folds` (seeded with ``seed``); the other folds are split into train and validation
+in the ratio ``fractions[0] : fractions[1]`` (stratified, seeded; ``fractions: [0.6, 0.2, 0.2]``
+keeps a quarter of them for validation, ``[1, 0, 0]`` none). ``fractions: [1, 0, 0]`` without folds
+puts every map in train.
 
-Augmentation (train only, ``augment: true``): with probability 0.5 the token order is reversed
-(``A[::-1, ::-1]``). That keeps every pattern type: a column stays a column, the main diagonal
-stays the main diagonal, the previous-token diagonal becomes the next-token one, blocks stay
-blocks. Transposition is NOT used: it turns a vertical pattern into a horizontal one.
+Augmentation (train only): ``augment`` is a list of label-preserving transforms from config
+(:mod:`probes.patterns.augment`); every training map's variants (the compositions of the transforms
+that apply to its label, the map itself included) are preprocessed once up front and one is drawn
+uniformly each time the map is sampled. ``ReverseTokens`` (``A[::-1, ::-1]``) keeps every pattern
+type; ``Transpose`` keeps diagonal, block and heterogeneous but turns a vertical stripe into a
+horizontal one, so it is given only those classes.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +33,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from probes.patterns.augment import variants
 from probes.patterns.components.cnn import CLASSES, check_map, preprocess, preprocess_many
 
 log = logging.getLogger(__name__)
@@ -108,19 +113,18 @@ def stratified_folds(labels: dict[str, str], k: int, seed: int = 0) -> list[list
 
 
 class _MapDataset(Dataset):
-    """``x``: preprocessed maps (C, size, size); ``x_rev`` (train with augmentation): the same maps with the
-    token order reversed, preprocessed once up front (the map is drawn reversed with p = 0.5)."""
+    """``x``: per map, its preprocessed variants (V_i, C, size, size), the map itself first (V_i = 1 without
+    augmentation); one variant is drawn uniformly each time the map is sampled."""
 
-    def __init__(self, x: list[torch.Tensor], y: list[int], index: list[int], x_rev: list[torch.Tensor] | None):
-        self.x, self.y, self.index, self.x_rev = x, y, index, x_rev
+    def __init__(self, x: list[torch.Tensor], y: list[int], index: list[int]):
+        self.x, self.y, self.index = x, y, index
 
     def __len__(self):
         return len(self.y)
 
     def __getitem__(self, i):
-        if self.x_rev is not None and random.random() < 0.5:   # augmentation: reversed token order
-            return self.x_rev[i], self.y[i], self.index[i]
-        return self.x[i], self.y[i], self.index[i]
+        v = self.x[i]  # (V, C, size, size)
+        return v[random.randrange(len(v))] if len(v) > 1 else v[0], self.y[i], self.index[i]
 
 
 class PatternDataModule(pl.LightningDataModule):
@@ -129,14 +133,22 @@ class PatternDataModule(pl.LightningDataModule):
 
     def __init__(self, data_dir: str, classes: Sequence[str] = CLASSES, size: int = 32, resize: str = "area",
                  channels: Sequence[str] = ("max",), fractions: Sequence[float] = (0.6, 0.2, 0.2), seed: int = 0,
-                 batch_size: int = 32, augment: bool = True, num_workers: int = 0, folds: int | None = None,
+                 batch_size: int = 32, augment: Sequence | Mapping = (), num_workers: int = 0, folds: int | None = None,
                  fold: int = 0):
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
         self.classes = tuple(classes)
         self.size, self.resize, self.channels = int(size), resize, tuple(channels)
         self.fractions, self.seed = tuple(fractions), int(seed)
-        self.batch_size, self.augment, self.num_workers = int(batch_size), bool(augment), int(num_workers)
+        self.batch_size, self.num_workers = int(batch_size), int(num_workers)
+        # a mapping {name: transform} (the config, so overrides can add or drop one by name) or a list
+        self.augment = list((augment.values() if hasattr(augment, "values") else augment) or ())
+        for t in self.augment:
+            bad = sorted(set(getattr(t, "classes", None) or ()) - set(self.classes))
+            if not (callable(t) and hasattr(t, "applies")):
+                raise ValueError(f"data.augment: {t!r} is not an augmentation (probes.patterns.augment)")
+            if bad:
+                raise ValueError(f"data.augment: {t!r} names classes {bad} not in classes {list(self.classes)}")
         self.folds, self.fold = (None if folds is None else int(folds)), int(fold)
         if self.folds is not None and not 0 <= self.fold < self.folds:
             raise ValueError(f"fold must be in 0..{self.folds - 1}, got {self.fold}")
@@ -165,20 +177,23 @@ class PatternDataModule(pl.LightningDataModule):
             self.split_ids = stratified_split(labels, self.fractions, self.seed)
         else:
             parts = stratified_folds(labels, self.folds, self.seed)
-            test = parts[self.fold]
-            train = sorted((k for j, f in enumerate(parts) if j != self.fold for k in f), key=_id_key)
-            self.split_ids = {"train": train, "val": [], "test": test}
+            rest = {k: labels[k] for j, f in enumerate(parts) if j != self.fold for k in f}
+            kept = self.fractions[0] + self.fractions[1]
+            if self.fractions[0] <= 0:
+                raise ValueError(f"data.fractions {list(self.fractions)}: with folds the train share must be > 0")
+            inner = stratified_split(rest, (self.fractions[0] / kept, self.fractions[1] / kept, 0.0), self.seed)
+            self.split_ids = {"train": inner["train"], "val": inner["val"], "test": parts[self.fold]}
         self.ids = [k for s in SPLITS for k in self.split_ids[s]]
         pos = {k: i for i, k in enumerate(self.ids)}
         cls = {c: i for i, c in enumerate(self.classes)}
         for s in SPLITS:
             ids = self.split_ids[s]
-            x = list(preprocess_many([maps[k] for k in ids], self.size, self.resize, self.channels))
+            augs = self.augment if s == "train" else []
+            vs = [variants(maps[k], labels[k], augs) for k in ids]
+            flat = preprocess_many([v for m in vs for v in m], self.size, self.resize, self.channels)
+            x = list(torch.split(flat, [len(m) for m in vs])) if vs else []  # per map (V, C, size, size)
             y = [cls[labels[k]] for k in ids]
-            x_rev = (list(preprocess_many([np.ascontiguousarray(maps[k][::-1, ::-1]) for k in ids], self.size,
-                                          self.resize, self.channels))
-                     if (s == "train" and self.augment) else None)
-            self.datasets[s] = _MapDataset(x, y, [pos[k] for k in ids], x_rev)
+            self.datasets[s] = _MapDataset(x, y, [pos[k] for k in ids])
         counts = Counter(labels[k] for k in self.split_ids["train"])
         self.train_class_counts = [counts.get(c, 0) for c in self.classes]
         log.info("attention patterns: %s", {s: dict(Counter(labels[k] for k in self.split_ids[s])) for s in SPLITS})
