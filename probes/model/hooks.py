@@ -86,11 +86,24 @@ def finish_attention(module: nn.Module, weights: torch.Tensor, value: torch.Tens
 
 def probes_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention (query, key, value (B, H, T, d)) with the session's capture and interventions."""
+                     softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention with the session's capture and interventions, as transformers' ``eager_attention_forward``
+    (Llama, Gemma 2, GPT-2, ...): query (B, H, T, d), key and value (B, H_kv, T, d).
+
+    Grouped-query attention: each key/value head serves ``H / H_kv`` consecutive query heads (``repeat_kv``;
+    ``module.num_key_value_groups`` where the module has it), so maps and values are per query head.
+    ``softcap`` (Gemma 2): scores -> softcap * tanh(scores / softcap) before the mask. The mask (causal,
+    sliding window, padding) comes from transformers' eager mask; ``sliding_window`` itself is only for
+    kernels that build their own mask."""
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError(f"{type(module).__name__}: attention sinks (s_aux) are not supported by the "
+                                  "project's attention function")
     if scaling is None:
         scaling = query.size(-1) ** -0.5
+    key, value = repeat_kv(module, query, key), repeat_kv(module, query, value)  # (B, H, T, d)
     w = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, T)
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             w = w.masked_fill(~attention_mask, torch.finfo(w.dtype).min)
@@ -99,6 +112,22 @@ def probes_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
     w = nn.functional.dropout(w, p=dropout, training=module.training)
     return finish_attention(module, w, value, attention_mask)
+
+
+def repeat_kv(module: nn.Module, query: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Key or value heads (B, H_kv, T, d) repeated for the query heads (B, H, T, d): query head h reads key/value
+    head ``h // (H / H_kv)``, as transformers' ``repeat_kv``."""
+    n = query.shape[1] // x.shape[1]
+    if n * x.shape[1] != query.shape[1]:
+        raise ValueError(f"{type(module).__name__}: {query.shape[1]} query heads are not a multiple of "
+                         f"{x.shape[1]} key/value heads")
+    groups = getattr(module, "num_key_value_groups", n)
+    if groups != n:
+        raise ValueError(f"{type(module).__name__}: num_key_value_groups={groups}, but the shapes give {n}")
+    if n == 1:
+        return x
+    B, K, T, d = x.shape
+    return x[:, :, None].expand(B, K, n, T, d).reshape(B, K * n, T, d)
 
 
 def register() -> None:
