@@ -114,8 +114,13 @@ def test_grad_sep_next_token_loss_on_a_tiny_decoder(cfg_for, tmp_path, models):
 
     df = instantiate(cfg.analysis)(ctx)
     assert set(df.target) == set(G.LM_TARGETS)
-    assert np.isfinite(df.value).all() and (df[df.stat == "mean_abs"].value > 0).all()
+    assert np.isfinite(df.value).all()
+    ma = df[df.stat == "mean_abs"].set_index(["layer", "target"]).value
+    assert (ma.loc[:, "first"] > 0).all() and (ma.loc[:, "other"] > 0).all()
     counts = df[df.stat == "count"].set_index(["layer", "target"]).value
+    # the only '.' / ',' of the treebank ends sentence 1: only its own row sees it, and the last position's
+    # logits score nothing (no next token), so the gradient is exactly 0 (H rows, one per head)
+    assert (counts.loc[:, "punct"] == 4).all() and (ma.loc[:, "punct"] == 0).all()
     T = [len(it["ids"]) for it in items]
     H = 4
     assert counts.loc[(0, "first")] == H * sum(T)  # every row sees position 0
