@@ -229,3 +229,45 @@ def test_smollm2_packaged_completes_paris():
     with torch.no_grad():
         logits = enc.model(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"]).logits  # (1, T, V)
     assert enc.tokenizer.decode(int(logits[0, -1].argmax())).strip() == "Paris"
+
+
+# ----------------------------------------------------------------------------- head disabling / importance
+def test_disable_heads_and_importance_on_a_decoder_classifier(tmp_path, models):
+    """A decoder with a sequence-classification head (transformers' last-token pooling: the last real token
+    of each right-padded row): the padded batches' logits equal each example run alone by the plain eager
+    model; disable_scores with prefix reuse equals full forwards; head importance is finite and not all 0."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from probes.analysis.kovaleva.disable_heads import disable_scores
+    from probes.analysis.kovaleva.head_importance import head_importance
+    from probes.data.glue import GlueExample
+    from probes.glue.evaluate import make_batches
+    from probes.glue.export import load_finetuned
+
+    folder = tmp_path / "clf"
+    tok = AutoTokenizer.from_pretrained(str(models["llama"]))
+    tok.pad_token = tok.eos_token  # saved with a pad token, as a fine-tuned decoder is
+    torch.manual_seed(0)
+    clf = AutoModelForSequenceClassification.from_pretrained(str(models["llama"]), num_labels=2,
+                                                             pad_token_id=tok.pad_token_id)
+    clf.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    ft = load_finetuned(folder, task="sst2")
+    texts = ["the cat sat", "a dog saw the big red house quickly", "runs", "the small cat liked a dog"]
+    examples = [GlueExample(t, None, i % 2, i) for i, t in enumerate(texts)]
+    batches = make_batches(ft.tokenizer, examples, "sst2", max_length=32, batch_size=3)
+    assert any((b["attention_mask"] == 0).any() for b in batches), "some rows are padded"
+    ref = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for b in batches:
+            got = ft.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # (B, 2)
+            for k, i in enumerate(b["idx"].tolist()):
+                ids = torch.tensor([ft.tokenizer(texts[i])["input_ids"]])
+                torch.testing.assert_close(got[k], ref(input_ids=ids).logits[0], rtol=1e-4, atol=1e-5)
+    L, H = ft.model.config.num_hidden_layers, ft.model.config.num_attention_heads
+    fast = disable_scores(ft.model, batches, "sst2", L, H, progress=False, reuse_prefix=True)
+    full = disable_scores(ft.model, batches, "sst2", L, H, progress=False, reuse_prefix=False)
+    pd.testing.assert_frame_equal(fast, full)
+    assert len(fast[fast.metric == fast.metric.iloc[0]]) == 1 + L * H + L
+    imp = head_importance(ft.model, batches, 2, progress=False)  # (L, H)
+    assert imp.shape == (L, H) and torch.isfinite(imp).all() and (imp > 0).any()
