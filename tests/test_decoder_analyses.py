@@ -11,11 +11,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from probes.analysis.clark import grad_sep as G
 from probes.analysis.clark.metrics import DIRECTIONS, DepAccumulator, predict_heads
 from probes.analysis.context import AnalysisContext
+from probes.analysis.kovaleva.disable_heads import disable_scores
+from probes.analysis.kovaleva.head_importance import head_importance
+from probes.data.glue import GlueExample
+from probes.glue.evaluate import make_batches
+from probes.glue.export import load_finetuned
 from probes.data.conllu import read_conllu
 from probes.model import tiny
 from probes.model.inputs import encode_words
@@ -236,14 +241,6 @@ def test_disable_heads_and_importance_on_a_decoder_classifier(tmp_path, models):
     """A decoder with a sequence-classification head (transformers' last-token pooling: the last real token
     of each right-padded row): the padded batches' logits equal each example run alone by the plain eager
     model; disable_scores with prefix reuse equals full forwards; head importance is finite and not all 0."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from probes.analysis.kovaleva.disable_heads import disable_scores
-    from probes.analysis.kovaleva.head_importance import head_importance
-    from probes.data.glue import GlueExample
-    from probes.glue.evaluate import make_batches
-    from probes.glue.export import load_finetuned
-
     folder = tmp_path / "clf"
     tok = AutoTokenizer.from_pretrained(str(models["llama"]))
     tok.pad_token = tok.eos_token  # saved with a pad token, as a fine-tuned decoder is
