@@ -420,11 +420,13 @@ def tiny_folder(family: str, root=None, corpus: Iterable[str] | None = None, **s
     return final
 
 
-def tiny_encoder(family: str = "bert", root=None, name: str | None = None, head: str = "base", **sizes):
-    """A tiny random ``family`` encoder (:class:`probes.model.load.Encoder`) from :func:`tiny_folder`,
-    loaded like any local folder; ``head`` as in ``load_encoder`` (the folders have an MLM head);
-    ``name`` (part of cache keys) defaults to ``tiny-<family>``."""
-    return load_encoder(str(tiny_folder(family, root=root, **sizes)), name=name or f"tiny-{family}", head=head)
+def tiny_encoder(family: str = "bert", root=None, name: str | None = None, head: str = "base",
+                 bos: bool | None = None, **sizes):
+    """A tiny random ``family`` encoder or causal LM (:class:`probes.model.load.Encoder`) from :func:`tiny_folder`,
+    loaded like any local folder; ``head`` and ``bos`` as in ``load_encoder`` (the folders have an MLM head,
+    a causal LM's a causal-LM head); ``name`` (part of cache keys) defaults to ``tiny-<family>``."""
+    return load_encoder(str(tiny_folder(family, root=root, **sizes)), name=name or f"tiny-{family}", head=head,
+                        bos=bos)
 
 
 __all__ = ["ALL_FAMILIES", "DECODERS", "FAMILIES", "FORMAT", "build_tiny", "default_corpus", "make_config", "make_tokenizer", "tiny_encoder",
