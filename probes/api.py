@@ -17,7 +17,6 @@ in float16, here in float32), and :func:`analyze` runs an analysis through
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-import transformers
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -39,10 +37,9 @@ from probes.data.conllu import Sentence, read_conllu, read_text, sentence_from_w
 from probes.data.sources import Treebank
 from probes.extract.stage import AttentionExtractor, make_batch, split_by_pairs
 from probes.measures import build
-from probes.model import hooks
 from probes.glue.export import hf_folder, load_finetuned
 from probes.model.inputs import encode_words, length_batches
-from probes.model.load import HEADS, Encoder, file_digest, load_tokenizer
+from probes.model.load import HEADS, Encoder, file_digest
 from probes.model.load import load_encoder as load_pretrained
 from probes.resolvers import unique_now
 
@@ -76,12 +73,10 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
     if name_or_path is None:
         return instantiate(compose("analyze").encoder, head=head, **kwargs)
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf":
-        return _load_gguf(path, head, **kwargs)
-    if path.is_file():
+    if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: not a model folder, hub id or .gguf file (a Lightning .ckpt needs the encoder it "
                          "was trained from: probes.glue.export.load_finetuned(ckpt, encoder=...))")
-    if path.is_dir() and hf_folder(path) is not None and (
+    if path.suffix != ".gguf" and path.is_dir() and hf_folder(path) is not None and (
             not (path / "config.json").exists() or (path / "glue_task.json").exists()):
         return _load_finetuned(path, head, **kwargs)
     return load_pretrained(str(name_or_path), head=head, **kwargs)
@@ -99,26 +94,6 @@ def _load_finetuned(path: Path, head: str, name: str | None = None, task: str | 
     return Encoder(model, ft.tokenizer, name or path.name, fingerprint, head=head)
 
 
-def _load_gguf(path: Path, head: str, name: str | None = None) -> Encoder:
-    """An encoder from a ``.gguf`` file through transformers' GGUF loader (``from_pretrained(folder, gguf_file=)``)."""
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(f"{path}: reading a .gguf file needs the optional packages gguf and accelerate: "
-                          "pip install gguf accelerate")
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    folder, file = str(path.parent), path.name
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=file)
-    tokenizer = load_tokenizer(folder, gguf_file=file)
-    hooks.register()
-    config._attn_implementation = hooks.IMPLEMENTATION
-    cls = getattr(transformers, HEADS[head])
-
-    def load() -> torch.nn.Module:
-        return cls.from_pretrained(folder, gguf_file=file, attn_implementation=hooks.IMPLEMENTATION)
-
-    return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head)
-
-
 # ----------------------------------------------------------------------------- word maps
 @dataclass
 class WordMaps:
@@ -127,7 +102,8 @@ class WordMaps:
     Attributes:
         words: The sentence's words.
         labels: The R row/column labels in sequence order: the tokenizer's first special token (``[CLS]``,
-            ``<s>``), the words, its last special token (``[SEP]``, ``</s>``); R = len(words) + 2.
+            ``<s>``, a causal LM's BOS), the words, its last special token (``[SEP]``, ``</s>``); R = len(words)
+            + 2 for encoders, len(words) + 1 for a causal LM with a BOS (Llama), len(words) without (GPT-2).
         maps: float32 ``(L', H, R, R)`` array, rows = from, columns = to (row r, column c: how much r attends
             to / takes from c); L' = the selected layers, H = heads (1 for per-layer kinds). A word's row is
             the mean over its pieces' rows, its column the sum over its pieces' columns (conf/extract).
@@ -266,12 +242,23 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
             batch = {k: v.to(dev) for k, v in make_batch(items, b, str(ex.from_words), str(ex.to_words), pad_id).items()}
             maps = extractor.word_maps(batch, dtype=torch.float32)[:, chosen]  # (B, L', H', W, W)
             for j, i in enumerate(b):
-                R = encoded[i].n_words + 2
-                first, last = tok.convert_ids_to_tokens([encoded[i].input_ids[0], encoded[i].input_ids[-1]])
-                out[i] = WordMaps(words[i], [first, *words[i], last], maps[j, :, :, :R, :R].cpu().numpy(),
-                                  chosen, kind)
+                rows, labels = _rows(tok, encoded[i], words[i])
+                out[i] = WordMaps(words[i], labels, maps[j][:, :, rows][:, :, :, rows].cpu().numpy(), chosen, kind)
             bar.update(len(b))
     return out
+
+
+def _rows(tokenizer, e, words: list[str]) -> tuple[list[int], list[str]]:
+    """The rows of the pooled (W, W) maps that exist for sentence ``e`` and their labels: the first special
+    (row 0) and the last (row W - 1) only where the tokenizer adds them (a causal LM has a BOS or none)."""
+    n = e.n_words
+    wop = e.word_of_piece
+    rows, labels = list(range(1, n + 1)), list(words)
+    if -1 in wop:
+        rows, labels = [0, *rows], [tokenizer.convert_ids_to_tokens(e.input_ids[wop.index(-1)]), *labels]
+    if n in wop:
+        rows, labels = [*rows, n + 1], [*labels, tokenizer.convert_ids_to_tokens(e.input_ids[wop.index(n)])]
+    return rows, labels
 
 
 # ----------------------------------------------------------------------------- data

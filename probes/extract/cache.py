@@ -56,7 +56,8 @@ def cache_key_hash(key: dict) -> str:
 def cache_key(encoder, source, kind, settings, precision: str) -> dict:
     """Everything that changes an entry's contents, for every cache kind; its hash names the entry.
 
-    The fields common to every kind (format, encoder name and weights, ``max_length``, precision, storage),
+    The fields common to every kind (format, encoder name and weights, ``max_length``, precision, storage; for a
+    causal LM also whether each sequence starts with a BOS, :meth:`~probes.model.load.Encoder.key_fields`),
     then ``source.key_fields(settings)`` (which sentences: dataset, split, data digest, how many or how they
     were made, the long-sentence policy where it applies) and ``kind.key_fields(encoder, settings)`` (what is
     stored: pooling and map kind, or layers and pooling). ``source``/``kind``: the objects of
@@ -64,7 +65,7 @@ def cache_key(encoder, source, kind, settings, precision: str) -> dict:
     """
     return dict(format_version=FORMAT_VERSION, encoder=encoder.name, revision=encoder.fingerprint,
                 max_length=settings.max_length_for(encoder), precision=precision, storage="float16",
-                **source.key_fields(settings), **kind.key_fields(encoder, settings))
+                **encoder.key_fields(), **source.key_fields(settings), **kind.key_fields(encoder, settings))
 
 
 def entry_dir(cache_dir: str | Path, key: dict, folder: str = "attention") -> Path:

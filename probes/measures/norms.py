@@ -14,13 +14,17 @@ Per layer, with the head values ``v^h_j`` (B, H, T, d; value projection with its
   ``S_ij = sum_h alpha^h_ij f^h(x_j) + [i = j] x_i`` (x = the block input, the residual), post-LN blocks
   ``T_i(x_j) = gamma * (S_ij - mean(S_ij)) / sqrt(Var(r_i) + eps)``, r_i = the LayerNorm's actual input
   (``sum_j T_i(x_j)`` + the bias terms is exactly the LayerNorm's output); the map is ``||T_i(x_j)||_2``.
-  Pre-LN blocks (ModernBERT) have no LayerNorm between the sum and the residual stream:
-  ``T_i(x_j) = S_ij`` ("AttnRes-N").
+  Pre-LN blocks (ModernBERT, GPT-2, Llama and the other pre-norm RMSNorm decoders) have no norm between the
+  sum and the residual stream: ``T_i(x_j) = S_ij`` ("AttnRes-N"). Blocks with an RMS norm on the attention
+  output before the residual (Gemma 2/3, OLMo 2: ``x + norm(z)``, ``norm(z) = g * z / rms(z)``) are linear in
+  the sources once the actual ``rms(z_i)`` is fixed, as LayerNorm's scale above:
+  ``T_i(x_j) = g * sum_h alpha^h_ij f^h(x_j) / rms(z_i) + [i = j] x_i``. Parallel-residual blocks
+  (GPT-NeoX) have no such decomposition here (a clear error from :func:`probes.model.hooks.layer_parts`).
 * ``alti`` (Ferrando et al. 2022, *Measuring the Mixing of Contextual Information in the Transformer*;
   reference: ``get_contributions`` + ``normalize_contributions(scaling="min_sum", resultant_norm=...)`` +
   ``compute_joint_attention`` in github.com/mt-upc/transformer-contributions), per layer: with the same
   ``T_i(x_j)`` and the actual sub-layer output ``y_i`` (post-LN: the LayerNorm's output; pre-LN: the
-  residual sum ``x_i + z_i``), ``c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1)``, rows normalised to
+  residual sum ``x_i + z_i``; sub-layer norm: ``x_i + norm(z_i)``), ``c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1)``, rows normalised to
   sum 1; with ``rollout=True`` (default, "ALTI") the contributions are rolled out through the layers
   without adding the residual again: ``R_1 = C_1``, ``R_l = C_l R_{l-1}``.
 
@@ -40,7 +44,7 @@ from probes.model import hooks
 def transformed(value: torch.Tensor, proj: torch.nn.Module) -> torch.Tensor:
     """f^h(x_j) = v^h_j W_O^h: value (B, H, T, d), proj Linear (D, H*d) -> (B, H, T, D)."""
     B, H, T, d = value.shape
-    W = proj.weight.float()  # (D, H*d)
+    W = hooks.projection_weight(proj).float()  # (D, H*d)
     if W.shape[1] != H * d:
         raise ValueError(f"output projection takes {W.shape[1]} inputs, expected H*d = {H * d}")
     return torch.einsum("bhtk,ehk->bhte", value.float(), W.view(W.shape[0], H, d))
@@ -60,6 +64,10 @@ def decomposed(s: hooks.Session, l: int) -> tuple[torch.Tensor, torch.Tensor]:
     f = transformed(s.value[l], part.proj)  # (B, H, T, D)
     S = torch.einsum("bhij,bhjd->bijd", s.probs[l].float(), f)  # (B, T, T, D)
     x = s.block_input[l].float()  # (B, T, D)
+    if part.sub_norm:  # x + g * z / rms(z), z = the projection's output (the norm's input)
+        z = s.norm_input[l].float()  # (B, T, D)
+        inv = (z.pow(2).mean(-1) + hooks.norm_eps(part.norm)).rsqrt()  # (B, T)
+        S = S * inv[:, :, None, None] * part.gain.float()
     idx = torch.arange(S.shape[1], device=S.device)
     S[:, idx, idx] += x
     if not part.post_ln:
@@ -80,10 +88,10 @@ class Norm(Measure):
         L = len(hooks.attention_sites(model))
         with hooks.attention(model, layers=range(L), values=True, stop=True) as s:
             s.run(input_ids=input_ids, attention_mask=attention_mask)
-        parts = hooks.layer_parts(model)
+        projs = hooks.output_projections(model)
         out = []
         for l in range(L):
-            fnorm = transformed(s.value[l], parts[l].proj).norm(dim=-1)  # (B, H, T)
+            fnorm = transformed(s.value[l], projs[l]).norm(dim=-1)  # (B, H, T)
             out.append(s.probs[l].float() * fnorm[:, :, None, :])  # (B, H, T, T)
         return out
 

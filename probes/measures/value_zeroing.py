@@ -3,7 +3,8 @@
 Reference: ``scoring/value_zeroing.py`` of github.com/hmohebbi/ValueZeroing. For layer l and token j,
 block l is run again on its original input hidden states with the value vectors of j set to zero in
 every head (after the value bias); ``VZ_l[i, j]`` = the cosine distance between position i's new and
-original block output, rows normalised to sum 1. ``rollout=True`` rolls the maps out through the
+original block output, rows normalised to sum 1. In a causal LM zeroing a later token j > i cannot change
+position i: those entries, rounding noise of the batched forwards (below 1e-12), are set to 0. ``rollout=True`` rolls the maps out through the
 layers without a residual term (their "Value Zeroing + rollout").
 
 Through the model layer: one forward captures every block's input and output; then, per sentence of
@@ -18,6 +19,7 @@ import torch
 
 from probes.measures import Measure, joint_maps, lengths
 from probes.model import hooks
+from probes.model.families import is_causal
 
 
 class ValueZeroing(Measure):
@@ -30,7 +32,7 @@ class ValueZeroing(Measure):
 
     def __call__(self, model, input_ids, attention_mask):
         L = len(hooks.attention_sites(model))
-        with hooks.attention(model, layers=[], internals=True, stop_block=L - 1) as s:
+        with hooks.attention(model, layers=[], block_io=True, stop_block=L - 1) as s:
             s.run(input_ids=input_ids, attention_mask=attention_mask)
         x = [s.block_input[l] for l in range(L)]  # L x (B, T, D) original block inputs (model dtype)
         y = [s.block_output[l].double() for l in range(L)]  # L x (B, T, D) original block outputs
@@ -52,6 +54,8 @@ class ValueZeroing(Measure):
                     dist = (1 - torch.nn.functional.cosine_similarity(new, y[l][b, :n].expand(c, n, -1), dim=-1)
                             ).clamp(min=0)  # (c, n)
                     out[l, b, :n, t0:t0 + c] = dist.T.float()  # rows: position i, columns: zeroed token j
+        if is_causal(model.config):  # token i cannot read a later token j: its distance is 0 up to rounding
+            out = out * torch.ones(T, T, device=out.device).tril()
         out = out / out.sum(-1, keepdim=True).clamp(min=1e-12)
         if self.rollout:
             out = joint_maps(out)

@@ -37,6 +37,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.pytorch_utils import Conv1D
 from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention, scaled_size_sqrt
 
 from probes.model.inputs import length_batches, pad_encoded
@@ -86,11 +87,24 @@ def finish_attention(module: nn.Module, weights: torch.Tensor, value: torch.Tens
 
 def probes_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention (query, key, value (B, H, T, d)) with the session's capture and interventions."""
+                     softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention with the session's capture and interventions, as transformers' ``eager_attention_forward``
+    (Llama, Gemma 2, GPT-2, ...): query (B, H, T, d), key and value (B, H_kv, T, d).
+
+    Grouped-query attention: each key/value head serves ``H / H_kv`` consecutive query heads (``repeat_kv``;
+    ``module.num_key_value_groups`` where the module has it), so maps and values are per query head.
+    ``softcap`` (Gemma 2): scores -> softcap * tanh(scores / softcap) before the mask. The mask (causal,
+    sliding window, padding) comes from transformers' eager mask; ``sliding_window`` itself is only for
+    kernels that build their own mask."""
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError(f"{type(module).__name__}: attention sinks (s_aux) are not supported by the "
+                                  "project's attention function")
     if scaling is None:
         scaling = query.size(-1) ** -0.5
+    key, value = repeat_kv(module, query, key), repeat_kv(module, query, value)  # (B, H, T, d)
     w = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, T)
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             w = w.masked_fill(~attention_mask, torch.finfo(w.dtype).min)
@@ -99,6 +113,22 @@ def probes_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
     w = nn.functional.dropout(w, p=dropout, training=module.training)
     return finish_attention(module, w, value, attention_mask)
+
+
+def repeat_kv(module: nn.Module, query: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Key or value heads (B, H_kv, T, d) repeated for the query heads (B, H, T, d): query head h reads key/value
+    head ``h // (H / H_kv)``, as transformers' ``repeat_kv``."""
+    n = query.shape[1] // x.shape[1]
+    if n * x.shape[1] != query.shape[1]:
+        raise ValueError(f"{type(module).__name__}: {query.shape[1]} query heads are not a multiple of "
+                         f"{x.shape[1]} key/value heads")
+    groups = getattr(module, "num_key_value_groups", n)
+    if groups != n:
+        raise ValueError(f"{type(module).__name__}: num_key_value_groups={groups}, but the shapes give {n}")
+    if n == 1:
+        return x
+    B, K, T, d = x.shape
+    return x[:, :, None].expand(B, K, n, T, d).reshape(B, K * n, T, d)
 
 
 def register() -> None:
@@ -252,7 +282,7 @@ class Session:
 
     def __init__(self, model: nn.Module, capture: Iterable[int] | None, stop: bool, uniform, gates, values: bool,
                  retain_grad: bool, internals: bool = False, block_inputs: dict | None = None,
-                 zero_values=None, stop_block: int | None = None):
+                 zero_values=None, stop_block: int | None = None, block_io: bool = False):
         self.model = model
         self.sites = attention_sites(model)
         L = len(self.sites)
@@ -285,10 +315,12 @@ class Session:
         self.block_output: dict[int, torch.Tensor] = {}   # layer -> (B, T, D) hidden states leaving the block
         self.proj_output: dict[int, torch.Tensor] = {}    # layer -> (B, T, D) output projection of the heads (+ bias)
         self.residual_sum: dict[int, torch.Tensor] = {}   # layer -> (B, T, D) block input + proj_output (norm input)
-        self.norm_output: dict[int, torch.Tensor] = {}    # layer -> (B, T, D) LayerNorm of residual_sum
+        self.norm_output: dict[int, torch.Tensor] = {}    # layer -> (B, T, D) output of the norm after proj
+        self.norm_input: dict[int, torch.Tensor] = {}     # layer -> (B, T, D) its input, sub-layer norms only
         self._last_layer = -1
         self._block_calls = 0
-        self._need_blocks = internals or bool(self.block_inputs) or stop_block is not None
+        self.keep_blocks = internals or block_io
+        self._need_blocks = self.keep_blocks or bool(self.block_inputs) or stop_block is not None
         self.parts = layer_parts(model) if internals else None
 
     # called from finish_attention
@@ -341,6 +373,7 @@ class Session:
         """Forget what the last forward captured (called before each :meth:`run`)."""
         self.probs, self.value, self.output, self._calls = {}, {}, {}, {}
         self.block_input, self.block_output, self.proj_output, self.residual_sum, self.norm_output = {}, {}, {}, {}, {}
+        self.norm_input = {}
         self._block_calls, self._last_layer = 0, -1
 
     def _begin(self) -> None:
@@ -358,14 +391,14 @@ class Session:
                 args = (x, *args[1:])
             else:
                 kwargs = {**kwargs, _hidden_key(kwargs): x}
-        if self.internals:
+        if self.keep_blocks:
             self.block_input[layer] = x
         return args, kwargs
 
     def _block_post(self, module, args, kwargs, output):
         layer = self._block_calls
         self._block_calls += 1
-        if self.internals or self.stop_block is not None:
+        if self.keep_blocks or self.stop_block is not None:
             self.block_output[layer] = output[0] if isinstance(output, (tuple, list)) else output
         if self.stop_block is not None and layer == self.stop_block:
             raise StopForward
@@ -378,8 +411,12 @@ class Session:
     def _norm_post(self, module, args, output):
         l = self._last_layer
         if l >= 0 and l in self.proj_output and l not in self.residual_sum and self.parts[l].norm is module:
-            self.residual_sum[l] = args[0]
             self.norm_output[l] = output
+            if self.parts[l].sub_norm:  # the norm acts on the heads' output; the residual is added after it
+                self.norm_input[l] = args[0]
+                self.residual_sum[l] = self.block_input[l] + output
+            else:
+                self.residual_sum[l] = args[0]
 
     def run(self, **inputs):
         """One forward of the model (keys it does not take are dropped); None when stopped early."""
@@ -403,7 +440,8 @@ def _check(i: int, n: int, what: str) -> None:
 def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bool = False,
               uniform: dict[int, Iterable[int]] | None = None, gates: torch.Tensor | None = None,
               values: bool = False, retain_grad: bool = False, internals: bool = False,
-              block_inputs: dict[int, torch.Tensor] | None = None, zero_values=None, stop_block: int | None = None):
+              block_inputs: dict[int, torch.Tensor] | None = None, zero_values=None, stop_block: int | None = None,
+              block_io: bool = False):
     """``with attention(model, layers=[...], stop=True) as s: s.run(**batch); s.probs[l]`` (B, H, T, T).
 
     layers: 0-based layers to capture (None: all; [] none). stop: end the forward after the last of
@@ -414,14 +452,16 @@ def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bo
     Block internals (any family; the parts are found by :func:`layer_parts`):
     internals: keep per layer ``block_input``, ``block_output``, ``proj_output`` (the heads' output
     projection, bias included), ``residual_sum`` (block input + proj_output, the input of the LayerNorm
-    that follows) and ``norm_output``, each (B, T, D); ``s.parts[l]`` names the modules.
+    that follows; with a sub-layer norm (Gemma 2/3, OLMo 2) block input + that norm's output) and
+    ``norm_output`` (and ``norm_input`` for sub-layer norms), each (B, T, D); ``s.parts[l]`` names the modules.
+    block_io: keep ``block_input`` and ``block_output`` only (no search for the parts).
     block_inputs: {layer: (B, T, D)} hidden states that replace the input of that block (the blocks
     below still run; their output is discarded). zero_values: (B, T) bool, or {layer: (B, T) bool}:
     the value vectors of the marked positions are zero in every head (value zeroing). stop_block: end
     the forward right after that block.
     """
     session = Session(model, layers, stop, uniform, gates, values, retain_grad, internals, block_inputs,
-                      zero_values, stop_block)
+                      zero_values, stop_block, block_io)
     keys = {id(m) for m in session.sites}
     clash = keys & _ACTIVE.keys()
     if clash:
@@ -453,7 +493,31 @@ def _hidden_key(kwargs: dict) -> str:
 
 
 def _is_layer_norm(m: nn.Module) -> bool:
-    return isinstance(m, nn.LayerNorm) or (type(m).__name__.endswith("LayerNorm") and hasattr(m, "weight"))
+    """LayerNorm or RMSNorm modules (``nn.LayerNorm``, ``nn.RMSNorm``, transformers' ``*LayerNorm``/``*RMSNorm``)."""
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or (
+        type(m).__name__.endswith(("LayerNorm", "RMSNorm")) and hasattr(m, "weight"))
+
+
+def _is_linear(m: nn.Module) -> bool:
+    """``nn.Linear`` or GPT-2's ``Conv1D`` (a linear layer with its weight stored transposed)."""
+    return isinstance(m, (nn.Linear, Conv1D))
+
+
+def projection_weight(proj: nn.Module) -> torch.Tensor:
+    """The weight of a linear layer as (out, in): ``nn.Linear.weight``; GPT-2's ``Conv1D`` stores (in, out)."""
+    return proj.weight.t() if isinstance(proj, Conv1D) else proj.weight
+
+
+def rms_gain(norm: nn.Module) -> torch.Tensor | None:
+    """(D,) the gain g of an RMS norm, ``norm(z) = g * z / sqrt(mean(z^2) + eps)`` (Llama: weight; Gemma:
+    1 + weight), read from the module by normalising a vector of ones; None for a norm of another form."""
+    w = norm.weight
+    ones = torch.ones(1, w.shape[-1], dtype=torch.float32, device=w.device)
+    eps = norm_eps(norm)
+    g = (norm(ones.to(w.dtype)).float() * (1.0 + eps) ** 0.5)[0]  # (D,)
+    z = torch.linspace(-2.0, 3.0, w.shape[-1], device=w.device)[None]  # (1, D) a test vector with mean != 0
+    expected = g * z / (z.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return g if torch.allclose(norm(z.to(w.dtype)).float(), expected, atol=1e-4, rtol=1e-3) else None
 
 
 def norm_eps(norm: nn.Module) -> float:
@@ -467,20 +531,39 @@ def norm_eps(norm: nn.Module) -> float:
 class LayerParts:
     """The modules of one layer's attention sub-layer that the decompositions need (see :func:`layer_parts`).
 
-    proj: the output projection applied to the concatenated head outputs (``nn.Linear``, H*d -> D);
-    norm: the first LayerNorm called after it, whose input is the residual sum (block input + proj);
+    proj: the output projection applied to the concatenated head outputs (``nn.Linear`` or GPT-2's ``Conv1D``,
+    H*d -> D; :func:`projection_weight`);
+    norm: the first LayerNorm / RMSNorm called after it, whose input is the residual sum (block input + proj),
+    or, with ``sub_norm``, the projection's output itself;
     post_ln: True when the block is post-LN (BERT: the sub-layer's output is ``norm(sum)``), False when
-    it is pre-LN (ModernBERT: the residual stream carries the sum itself; ``norm`` normalises the
-    feed-forward input)."""
+    it is pre-LN (ModernBERT, GPT-2, Llama: the residual stream carries the sum itself; ``norm`` normalises
+    the feed-forward input);
+    sub_norm: True when ``norm`` is an RMS norm of the heads' output before the residual is added (Gemma 2/3,
+    OLMo 2: ``x + norm(proj)``); ``gain`` is then its (D,) gain (:func:`rms_gain`)."""
 
-    def __init__(self, proj: nn.Module, norm: nn.Module, post_ln: bool):
-        self.proj, self.norm, self.post_ln = proj, norm, post_ln
+    def __init__(self, proj: nn.Module, norm: nn.Module, post_ln: bool, sub_norm: bool = False,
+                 gain: torch.Tensor | None = None):
+        self.proj, self.norm, self.post_ln, self.sub_norm, self.gain = proj, norm, post_ln, sub_norm, gain
 
     def __repr__(self) -> str:
-        return f"LayerParts(proj={type(self.proj).__name__}, norm={type(self.norm).__name__}, post_ln={self.post_ln})"
+        return (f"LayerParts(proj={type(self.proj).__name__}, norm={type(self.norm).__name__}, post_ln={self.post_ln}, "
+                f"sub_norm={self.sub_norm})")
 
 
 _PARTS: "weakref.WeakKeyDictionary[nn.Module, list[LayerParts]]" = weakref.WeakKeyDictionary()
+_PROJS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def output_projections(model: nn.Module) -> list[nn.Module]:
+    """Per layer, the heads' output projection (:func:`layer_parts`' ``proj``), also for blocks whose residual
+    shape the decompositions do not cover (GPT-NeoX's parallel residual): what the ``norm`` kind needs."""
+    try:
+        return [p.proj for p in layer_parts(model)]
+    except ValueError:
+        projs = _PROJS.get(model)
+        if projs is None or any(p is None for p in projs):
+            raise
+        return projs
 
 
 @torch.no_grad()
@@ -488,10 +571,13 @@ def layer_parts(model: nn.Module) -> list[LayerParts]:
     """Per layer, the output projection and LayerNorm of its attention sub-layer, found once per model
     by call order in one forward (any family, shared layers included):
 
-    * proj: the first ``nn.Linear`` called after the layer's attention function returns;
-    * norm: the first LayerNorm called after proj; its input must equal block input + proj output
-      (the residual connection), checked here;
+    * proj: the first ``nn.Linear`` (or ``Conv1D``) called after the layer's attention function returns;
+    * norm: the first LayerNorm / RMSNorm called after proj; its input must equal block input + proj output
+      (the residual connection), checked here; or (a sub-layer norm, Gemma 2/3 and OLMo 2) it is an RMS norm
+      of proj's output, and the next norm or linear layer then reads block input + its output (checked);
     * post_ln: the block's output is the output of the last LayerNorm it calls.
+
+    A parallel-residual block (GPT-NeoX: ``x + attn(ln1(x)) + mlp(ln2(x))``) has neither shape: ValueError.
 
     Raises ValueError naming the layer when the model does not have this shape (then the
     decomposition-based measures cannot be defined for it)."""
@@ -504,8 +590,8 @@ def layer_parts(model: nn.Module) -> list[LayerParts]:
     events: list = []
     handles = []
     for m in model.modules():
-        if isinstance(m, nn.Linear):
-            handles.append(m.register_forward_hook(lambda mod, a, o: events.append(("linear", mod, o))))
+        if _is_linear(m):
+            handles.append(m.register_forward_hook(lambda mod, a, o: events.append(("linear", mod, o, a[0]))))
         elif _is_layer_norm(m):
             handles.append(m.register_forward_hook(lambda mod, a, o: events.append(("norm", mod, a[0], o))))
     for m in dict.fromkeys(mods):
@@ -530,6 +616,7 @@ def layer_parts(model: nn.Module) -> list[LayerParts]:
             h.remove()
     layer, state, block = -1, None, -1
     proj, proj_out, norm, norm_in = [None] * L, [None] * L, [None] * L, [None] * L
+    norm_out, after = [None] * L, [None] * L  # the norm's output; the input of the next norm / linear layer
     block_in, post = [None] * L, [None] * L
     last_norm_out = None
     for e in events:
@@ -543,24 +630,34 @@ def layer_parts(model: nn.Module) -> list[LayerParts]:
             if 0 <= block < L:
                 post[block] = last_norm_out is not None and last_norm_out.shape == e[1].shape \
                     and torch.equal(last_norm_out, e[1])
+        elif state == "after" and e[0] in ("linear", "norm") and 0 <= layer < L:
+            after[layer], state = e[3] if e[0] == "linear" else e[2], None
         elif e[0] == "linear" and state == "proj" and 0 <= layer < L:
             proj[layer], proj_out[layer], state = e[1], e[2], "norm"
-        elif e[0] == "norm":
+        if not isinstance(e, nn.Module) and e[0] == "norm":
             last_norm_out = e[3]
             if state == "norm" and 0 <= layer < L:
-                norm[layer], norm_in[layer], state = e[1], e[2], None
+                norm[layer], norm_in[layer], norm_out[layer], state = e[1], e[2], e[3], "after"
     name = type(model).__name__
+    _PROJS[model] = proj
     parts = []
     for l in range(L):
         if proj[l] is None or norm[l] is None or block_in[l] is None or post[l] is None:
             raise ValueError(f"{name}: layer {l}: no output projection / LayerNorm after the attention function or "
                              "no transformer block found; residual/LayerNorm decompositions (norm_res_ln, alti) "
                              "are not defined for this model")
-        if not torch.allclose(norm_in[l], block_in[l] + proj_out[l], atol=1e-4, rtol=1e-3):
-            raise ValueError(f"{name}: layer {l}: the input of {type(norm[l]).__name__} is not block input + output "
-                             "projection (no plain residual connection around attention); residual/LayerNorm "
-                             "decompositions (norm_res_ln, alti) are not defined for this model")
-        parts.append(LayerParts(proj[l], norm[l], bool(post[l])))
+        if torch.allclose(norm_in[l], block_in[l] + proj_out[l], atol=1e-4, rtol=1e-3):
+            parts.append(LayerParts(proj[l], norm[l], bool(post[l])))
+            continue
+        gain = rms_gain(norm[l]) if torch.equal(norm_in[l], proj_out[l]) else None
+        if gain is not None and after[l] is not None and after[l].shape == block_in[l].shape and \
+                torch.allclose(after[l], block_in[l] + norm_out[l], atol=1e-4, rtol=1e-3):
+            parts.append(LayerParts(proj[l], norm[l], False, sub_norm=True, gain=gain))
+            continue
+        raise ValueError(f"{name}: layer {l}: the input of {type(norm[l]).__name__} is not block input + output "
+                         "projection, nor is it an RMS norm of the projection added to the block input (no plain "
+                         "residual connection around attention, e.g. GPT-NeoX's parallel residual); "
+                         "residual/LayerNorm decompositions (norm_res_ln, alti) are not defined for this model")
     _PARTS[model] = parts
     return parts
 

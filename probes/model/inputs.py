@@ -1,8 +1,10 @@
 """Model inputs: pre-split words to pieces, one padding routine, length batches, piece -> word pooling.
 
-Every sequence is ``[first special] pieces [last special]``: [CLS] ... [SEP] for BERT-style
-vocabularies, <s> ... </s> for RoBERTa-style ones; the first and last rows of every map are those
-two tokens. Word pooling uses (W, T) matrices with W = words + 2.
+Every sequence is ``[first special] pieces [last special]`` as the tokenizer adds them: [CLS] ... [SEP] for
+BERT-style vocabularies, <s> ... </s> for RoBERTa-style ones, ``<s> ...`` (BOS only) for Llama-style causal
+LMs, bare pieces for GPT-2-style ones. Word pooling uses (W, T) matrices with W = words + 2 always: row 0
+is the first special, row W - 1 the last; a special the tokenizer does not add is an empty (all-zero) row
+and column, so every cache keeps one layout.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from probes.model.families import special_ids
 
 # How attention *from* a split word (rows) and *to* a split word (columns) is pooled over its
 # pieces. Clark et al.: rows are averaged (mean), columns are summed (sum), so rows still sum to 1.
@@ -35,40 +39,41 @@ def encode_words(tokenizer, sentences: Sequence[Sequence[str]]) -> list[Encoded]
     """Tokenize pre-split words (any family: WordPiece, byte-level BPE with prefix space, Unigram).
 
     A word with no pieces (e.g. a control character) becomes the unknown token, so every word has
-    at least one piece; the first and last pieces are the tokenizer's own special tokens.
+    at least one piece; the special tokens are those the tokenizer itself adds before the first word
+    (``word_of_piece`` -1) and after the last (``n``): [CLS]/[SEP], a causal LM's BOS, or none.
     """
     sentences = [list(s) for s in sentences]
     out = tokenizer(sentences, is_split_into_words=True, add_special_tokens=True)
     encoded = []
     for b, words in enumerate(sentences):
         ids, wids = out["input_ids"][b], out.word_ids(b)
-        if len({w for w in wids if w is not None}) != len(words) or wids[0] is not None or wids[-1] is not None:
-            ids, wids = _encode_word_by_word(tokenizer, words)
         n = len(words)
-        word_of_piece = [-1 if i == 0 else (n if w is None else w) for i, w in enumerate(wids)]
+        word_of_piece = _word_rows(wids, n)
+        if word_of_piece is None:
+            ids, wids = _encode_word_by_word(tokenizer, words)
+            word_of_piece = _word_rows(wids, n)
         encoded.append(Encoded(list(ids), word_of_piece, n))
     return encoded
 
 
+def _word_rows(wids: Sequence[int | None], n: int) -> list[int] | None:
+    """Word of every piece: -1 for specials before the first word, n after the last; None when some word has
+    no piece or a special sits between words (then the sentence is tokenized word by word)."""
+    real = [i for i, w in enumerate(wids) if w is not None]
+    if len({wids[i] for i in real}) != n or (real and real[-1] - real[0] + 1 != len(real)):
+        return None
+    return [w if w is not None else (-1 if i < real[0] else n) for i, w in enumerate(wids)]
+
+
 def _encode_word_by_word(tokenizer, words: list[str]) -> tuple[list[int], list[int | None]]:
     pieces = tokenizer(words, is_split_into_words=False, add_special_tokens=False)["input_ids"]
-    first, last = _specials(tokenizer)
-    ids, wids = [first], [None]
+    first, last = special_ids(tokenizer)
+    ids, wids = list(first), [None] * len(first)
     for w, p in enumerate(pieces):
         p = p or [tokenizer.unk_token_id]
         ids += p
         wids += [w] * len(p)
-    return ids + [last], wids + [None]
-
-
-def _specials(tokenizer) -> tuple[int, int]:
-    """(first, last) special token ids of a single sequence, as the tokenizer itself adds them."""
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    if len(ids) >= len(tokenizer("a", add_special_tokens=False)["input_ids"]) + 2:
-        return ids[0], ids[-1]
-    first = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
-    last = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
-    return first, last
+    return ids + list(last), wids + [None] * len(last)
 
 
 def encode_texts(tokenizer, text_a: str, text_b: str | None = None, max_length: int | None = None,
@@ -129,11 +134,12 @@ def pooling_matrix(word_of_piece: Sequence[int], n_words: int, mode: str) -> tor
         first = torch.full((W,), -1, dtype=torch.long)
         for t in range(T - 1, -1, -1):
             first[rows[t]] = t
-        m[torch.arange(W), first] = 1.0
+        has = first >= 0  # a special the tokenizer does not add keeps an empty row
+        m[torch.arange(W)[has], first[has]] = 1.0
         return m
     m[rows, torch.arange(T)] = 1.0
     if mode == "mean":
-        m = m / m.sum(dim=1, keepdim=True)
+        m = m / m.sum(dim=1, keepdim=True).clamp(min=1.0)
     return m
 
 

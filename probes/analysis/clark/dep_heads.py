@@ -7,6 +7,22 @@ the word itself and to [CLS]/[SEP] (Clark's ``attn_head_predictor``), in two dir
 * ``dep2head``: the dependent's row (the word the dependent attends to most);
 * ``head2dep``: the transposed map (the word that attends most to the dependent).
 
+Decoders (causal LMs; the model layer's family says ``causal``): a word's row covers itself and the
+earlier words only, so each (dependent, head) pair is visible in one direction only, and each
+direction looks only where it can see (:func:`probes.analysis.clark.metrics.predict_heads`):
+
+* ``dep2head`` predicts from the dependent's row among the words *before* it: it can score the
+  pairs whose head precedes the dependent (``det``, ``amod``, ``compound``, ``nsubj``... point the
+  other way: their head follows);
+* ``head2dep`` predicts from the dependent's column, i.e. among the words *after* it that attend to
+  it: it can score the pairs whose head follows the dependent.
+
+Both directions are reported for every head, as for encoders; the best (layer, head, direction)
+per relation is taken over both. ``head_before`` in ``dep_table.csv`` is the share of the relation's
+pairs whose head precedes the dependent: for a decoder the ceiling of ``dep2head`` (``head2dep``: one
+minus it). A word with no candidate in a direction (the first word for dep2head, the last for head2dep)
+predicts ROOT, never right. Encoders are unchanged (every word is a candidate in both directions).
+
 A prediction is correct when it is the gold head. Per relation the best (layer, head, direction)
 is reported, like the paper's Table 1, against fixed-offset baselines (word j predicts word
 j + offset, offsets -3..+2, clipped to ROOT (0) on the left and to the last word on the right, as
@@ -43,7 +59,8 @@ norm_res_ln, alti, value_zeroing) has one map per layer (``head`` is always 0, n
 
 Outputs: ``dep_heads.csv`` (relation, layer, head, direction, accuracy, count; 0-based),
 ``dep_offsets.csv`` (relation, offset, accuracy, count), ``dep_table.csv`` (per relation: count,
-best head as layer/head + 1-based name, direction, accuracy, best offset, its accuracy, difference),
+best head as layer/head + 1-based name, direction, accuracy, best offset, its accuracy, difference,
+``head_before``),
 ``relation_map.csv``, ``dep_table.png``, ``summary.json``.
 """
 
@@ -57,7 +74,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from probes.analysis.clark.metrics import DIRECTIONS, DepAccumulator
+from probes.analysis.clark.metrics import DIRECTIONS, DepAccumulator, is_causal
 from probes.analysis.naming import head_name
 
 log = logging.getLogger(__name__)
@@ -101,9 +118,10 @@ def relation_map() -> pd.DataFrame:
 
 def evaluate(cache, sentences, num_layers: int, num_heads: int, offsets=(-3, -2, -1, 0, 1, 2),
              exclude=("root", "punct"), poss_relations=("nmod:poss",), strip_subtypes: bool = False,
-             progress: bool = True) -> DepAccumulator:
-    """Run :class:`DepAccumulator` over the cached sentences (skipped ones are left out)."""
-    acc = DepAccumulator(num_layers, num_heads, offsets, exclude, poss_relations, strip_subtypes)
+             progress: bool = True, causal: bool = False) -> DepAccumulator:
+    """Run :class:`DepAccumulator` over the cached sentences (skipped ones are left out); ``causal``: the
+    decoders' direction rule (module doc)."""
+    acc = DepAccumulator(num_layers, num_heads, offsets, exclude, poss_relations, strip_subtypes, causal)
     for i, s in enumerate(tqdm(sentences, desc="dep_heads", unit="sent", disable=None if progress else True)):
         if i not in cache:
             continue
@@ -130,7 +148,8 @@ def tables(acc: DepAccumulator, min_count: int = 100) -> tuple[pd.DataFrame, pd.
         trows.append(dict(relation=r, count=c, layer=int(l), head=int(h), name=head_name(l, h),
                           direction=DIRECTIONS[d], accuracy=float(acc_h[d, l, h]),
                           best_offset=int(acc.offsets[bo]), offset_accuracy=float(acc_o[bo]),
-                          difference=float(acc_h[d, l, h] - acc_o[bo])))
+                          difference=float(acc_h[d, l, h] - acc_o[bo]),
+                          head_before=float(acc.head_before_share(r))))
     dep = pd.DataFrame(rows, columns=["relation", "layer", "head", "direction", "accuracy", "count"])
     off = pd.DataFrame(orows, columns=["relation", "offset", "accuracy", "count"])
     return dep, off, pd.DataFrame(trows)
@@ -160,8 +179,9 @@ def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_
     """Evaluate every head on every relation; save the tables and the figure; return dep_table."""
     t0 = time.time()
     cache, sentences = ctx.cache(split, max_sentences)
+    causal = is_causal(ctx.encoder)
     acc = evaluate(cache, sentences, cache.num_layers, cache.num_heads, list(offsets), list(exclude),
-                   list(poss_relations), strip_subtypes)
+                   list(poss_relations), strip_subtypes, causal=causal)
     dep, off, table = tables(acc, min_count)
     ctx.save_table(dep, "dep_heads")
     ctx.save_table(off, "dep_offsets")
@@ -171,11 +191,12 @@ def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_
     report = table[table.relation.isin(["all", *report_relations])] if report_relations else table
     ctx.log_summary(dict(
         analysis="dep_heads", split=split, encoder=ctx.encoder.name, maps=cache.manifest.get("maps", "attention"),
-        heads_per_layer=cache.num_heads, n_sentences=acc.n_sentences,
+        heads_per_layer=cache.num_heads, causal=causal, n_sentences=acc.n_sentences,
         n_skipped=len(sentences) - acc.n_sentences, cache=str(cache.path), seconds=round(time.time() - t0, 1),
         table={r.relation: dict(count=int(r["count"]), name=r["name"], direction=r.direction,
                                 accuracy=round(r.accuracy, 4), best_offset=int(r.best_offset),
-                                offset_accuracy=round(r.offset_accuracy, 4))
+                                offset_accuracy=round(r.offset_accuracy, 4),
+                                head_before=round(r.head_before, 4))
                for _, r in report.iterrows()}))
     log.info("dep_heads: %d sentences, %d relations in %.1fs", acc.n_sentences, len(table), time.time() - t0)
     return table

@@ -30,6 +30,15 @@ sequence's own loss*, so a sequence's gradients do not depend on what it is batc
   scored on the first ``max_sentences`` examples of the GLUE ``split`` of its task
   (``[CLS] a [SEP] (b [SEP])``); loss = cross-entropy (squared error for one-label regression, STS-B).
 
+* :class:`NextTokenObjective` (decoders, causal LMs: the counterpart of Clark's test for the
+  "attention sink"): the first ``max_sentences`` treebank sentences of ``split`` as the model's
+  tokenizer encodes pre-split words (its own BOS if it adds one); the loss is the mean next-token
+  cross-entropy of the model's own LM head over the sequence (token t + 1 predicted from the logits at
+  t). The model is the encoder loaded with its causal-LM head (``instantiate(encoder, head=<head>)``,
+  ``head`` from the objective's config). The targets are ``first`` (position 0: BOS or the first word,
+  where decoders park attention), ``punct`` and ``other``: :data:`LM_TARGETS`. Every key a causal row
+  sees counts; keys a row cannot see (later tokens) have probability 0 and are left out.
+
 Outputs: ``grad_sep.csv`` (layer, target, stat, value; 0-based layer; stats ``mean_abs``,
 ``mean``, ``count``), ``grad_sep.png`` (per-layer curves like Figure 3), ``summary.json``.
 """
@@ -49,7 +58,7 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from probes.analysis.clark.metrics import is_period_comma, piece_strings
+from probes.analysis.clark.metrics import is_causal, is_period_comma, piece_strings
 from probes.data.glue import read_glue
 from probes.model import hooks
 from probes.model.families import is_byte_level, usable_max_length
@@ -59,7 +68,8 @@ from probes.glue.export import load_finetuned
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("sep", "punct", "other")
+TARGETS = ("sep", "punct", "other")        # encoders (mlm, classification): [SEP] is the candidate no-op
+LM_TARGETS = ("first", "punct", "other")   # decoders (lm): the first token (the attention sink) is
 
 
 @dataclass
@@ -70,6 +80,7 @@ class Model:
     tokenizer: Any
     name: str
     max_length: int  # usable pieces incl. specials (RoBERTa: 512 of 514 positions)
+    causal: bool = False  # a causal LM: rows see themselves and earlier tokens only
 
 
 @dataclass
@@ -157,6 +168,58 @@ class MLMObjective:
         labels = batch.labels.to(logits.device)  # (B, T)
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
                                                reduction="none")  # (B, T)
+        n = (labels != -100).sum(1).clamp(min=1)
+        return (ce.sum(1) / n).sum()
+
+
+class NextTokenObjective:
+    """Next-token (causal LM) loss on treebank sentences, with the model's own LM head (see module doc)."""
+
+    name = "lm"
+    targets = LM_TARGETS
+
+    def __init__(self, encoder=None, head: str = "causal_lm"):
+        """``encoder``: the encoder's config node (``${encoder}``), loaded with its ``head`` by :meth:`load`."""
+        self.encoder, self.head = encoder, head
+
+    def load(self, ctx) -> Model:
+        """The encoder with its causal-LM head; a checkpoint without one raises :class:`MissingHeadError`."""
+        if self.encoder is None:
+            raise ValueError("grad_sep/lm: analysis.objectives.lm.encoder is not set (conf/analysis/grad_sep.yaml "
+                             "sets it to ${encoder}, the encoder's config node)")
+        enc = instantiate(self.encoder, head=self.head)
+        try:
+            model = enc.model
+        except MissingHeadError as e:
+            raise MissingHeadError(f"grad_sep (objective=lm): {e}") from e
+        return Model(model, enc.tokenizer, enc.name, enc.max_length, is_causal(enc))
+
+    def sequences(self, ctx, tokenizer, split: str, max_sentences: int | None, max_length: int) -> list[dict]:
+        """The first ``max_sentences`` sentences of ``split`` that fit ``max_length`` pieces (2 pieces at least)."""
+        sents = ctx.sentences(split, max_sentences)
+        enc = encode_words(tokenizer, [list(s.words) for s in sents])
+        seqs = [dict(ids=e.input_ids) for e in enc if 2 <= e.n_pieces <= max_length]
+        if len(seqs) < len(enc):
+            log.warning("grad_sep/lm: %d of %d sentences skipped (one piece or longer than %d)",
+                        len(enc) - len(seqs), len(enc), max_length)
+        return seqs
+
+    def prepare(self, seqs: list[dict], tokenizer) -> list[dict]:
+        """Each sequence with its labels: the ids themselves (shifted in :meth:`loss`)."""
+        return [dict(ids=s["ids"], labels=s["ids"]) for s in seqs]
+
+    def batch(self, items: list[dict], tokenizer) -> Batch:
+        """Padded ids, mask and labels (padding -100)."""
+        x = pad([it["ids"] for it in items], tokenizer.pad_token_id)
+        labels = pad([it["labels"] for it in items], -100)["input_ids"]  # (B, T), padding -100
+        return Batch(x["input_ids"], x["attention_mask"], labels)
+
+    def loss(self, out, batch: Batch) -> torch.Tensor:
+        """Sum over sequences of each one's mean next-token cross-entropy (logits at t score token t + 1)."""
+        logits = out.logits.float()[:, :-1]  # (B, T - 1, V)
+        labels = batch.labels.to(logits.device)[:, 1:]  # (B, T - 1)
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
+                                               reduction="none")  # (B, T - 1)
         n = (labels != -100).sum(1).clamp(min=1)
         return (ce.sum(1) / n).sum()
 
@@ -257,30 +320,43 @@ class Targets:
             self._punct[i] = i not in self.special and is_period_comma(t)
         return [i for i, p in self._punct.items() if p]
 
-    def masks(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """input_ids, attention_mask (B, T) -> target -> (B, T) bool."""
+    def masks(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets=TARGETS
+              ) -> dict[str, torch.Tensor]:
+        """input_ids, attention_mask (B, T) -> target -> (B, T) bool, disjoint: ``sep`` (the separator id)
+        or ``first`` (position 0) as ``targets`` names, then ``punct``, then ``other`` (the rest)."""
         real = attention_mask.bool()
-        sep = (input_ids == self.sep_id) & real
-        punct = torch.isin(input_ids, torch.tensor(self.punct_ids(input_ids), dtype=input_ids.dtype)) & real & ~sep
-        return dict(sep=sep, punct=punct, other=real & ~sep & ~punct)
+        sink = torch.zeros_like(real)  # (B, T)
+        out = {}
+        if "sep" in targets:
+            out["sep"] = (input_ids == self.sep_id) & real
+            sink |= out["sep"]
+        if "first" in targets:
+            out["first"] = torch.zeros_like(real)
+            out["first"][:, 0] = real[:, 0]
+            sink |= out["first"]
+        punct = torch.isin(input_ids, torch.tensor(self.punct_ids(input_ids), dtype=input_ids.dtype)) & real & ~sink
+        out.update(punct=punct, other=real & ~sink & ~punct)
+        return out
 
 
 class GradAccumulator:
     """Per layer and target: sums of |dL/dA| and dL/dA and the number of probabilities."""
 
-    def __init__(self, num_layers: int):
-        self.L = num_layers
-        self.abs = {t: np.zeros(num_layers) for t in TARGETS}
-        self.sum = {t: np.zeros(num_layers) for t in TARGETS}
-        self.count = {t: np.zeros(num_layers, dtype=np.int64) for t in TARGETS}
+    def __init__(self, num_layers: int, targets=TARGETS, causal: bool = False):
+        """``causal``: count only the probabilities a row can see (key j <= query i)."""
+        self.L, self.targets, self.causal = num_layers, tuple(targets), bool(causal)
+        self.abs = {t: np.zeros(num_layers) for t in self.targets}
+        self.sum = {t: np.zeros(num_layers) for t in self.targets}
+        self.count = {t: np.zeros(num_layers, dtype=np.int64) for t in self.targets}
         self.n_sequences = 0
 
     def add(self, grads: list[torch.Tensor], masks: dict[str, torch.Tensor], attention_mask: torch.Tensor) -> None:
         """grads: per layer (B, H, T, T); masks: target -> (B, T); attention_mask (B, T) (real query rows)."""
         rows = attention_mask.bool()  # (B, T)
-        H = grads[0].shape[1]
-        for t in TARGETS:
-            sel = (rows[:, :, None] & masks[t][:, None, :])[:, None]  # (B, 1, Ti, Tj)
+        H, T = grads[0].shape[1], rows.shape[1]
+        seen = torch.ones(T, T, dtype=torch.bool).tril() if self.causal else torch.ones(T, T, dtype=torch.bool)
+        for t in self.targets:
+            sel = (rows[:, :, None] & masks[t][:, None, :] & seen)[:, None]  # (B, 1, Ti, Tj)
             n = int(sel.sum()) * H
             for l, g in enumerate(grads):
                 v = g.double() * sel.to(g.device)  # (B, H, T, T), zero off the target
@@ -293,7 +369,7 @@ class GradAccumulator:
         """Tidy (layer, target, stat, value) rows: mean_abs, mean, count."""
         rows = []
         for l in range(self.L):
-            for t in TARGETS:
+            for t in self.targets:
                 c = max(1, self.count[t][l])
                 rows += [(l, t, "mean_abs", self.abs[t][l] / c), (l, t, "mean", self.sum[t][l] / c),
                          (l, t, "count", float(self.count[t][l]))]
@@ -301,24 +377,28 @@ class GradAccumulator:
 
 
 def compute(model, tokenizer, objective, items: list[dict], device: str = "cpu", max_tokens: int = 4096,
-            max_batch_size: int = 32, progress: bool = True) -> GradAccumulator:
-    """Accumulate per-layer gradient statistics over ``items`` (objective-prepared sequences)."""
+            max_batch_size: int = 32, progress: bool = True, causal: bool = False) -> GradAccumulator:
+    """Accumulate per-layer gradient statistics over ``items`` (objective-prepared sequences); targets
+    from the objective (``objective.targets``, default :data:`TARGETS`); ``causal``: only keys a row sees."""
     model = model.to(device)
-    acc = GradAccumulator(int(model.config.num_hidden_layers))
+    names = getattr(objective, "targets", TARGETS)
+    acc = GradAccumulator(int(model.config.num_hidden_layers), names, causal=causal)
     targets = Targets(tokenizer)
     batches = length_batches([len(it["ids"]) for it in items], max_tokens, max_batch_size)
     for b in tqdm(batches, desc="grad_sep", unit="batch", disable=None if progress else True):
         batch = objective.batch([items[i] for i in b], tokenizer)
         grads = attention_gradients(model, objective, batch, device)
-        acc.add(grads, targets.masks(batch.input_ids, batch.attention_mask), batch.attention_mask)
+        acc.add(grads, targets.masks(batch.input_ids, batch.attention_mask, names), batch.attention_mask)
     return acc
 
 
 def figure(df: pd.DataFrame):
     """Figure 3: per layer, mean |dLoss/dA| and mean dLoss/dA for each target."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    labels = {"sep": "[SEP]", "first": "first token", "punct": ". or ,", "other": "other"}
     for ax, stat, ylabel in zip(axes, ("mean_abs", "mean"), ("mean |dLoss/dA|", "mean dLoss/dA (signed)")):
-        for t, label in zip(TARGETS, ("[SEP]", ". or ,", "other")):
+        for t in [t for t in labels if t in set(df.target)]:
+            label = labels[t]
             d = df[(df.target == t) & (df.stat == stat)].sort_values("layer")
             ax.plot(d.layer + 1, d.value, marker="o", label=label)
         ax.set_xlabel("layer")
@@ -354,13 +434,13 @@ def grad_sep(ctx, *, split: str = "dev", max_sentences: int | None = 1000, objec
     items = objective.prepare(seqs, m.tokenizer)
     log.info("grad_sep: %s objective, model %s, %d sequences, device %s", objective.name, m.name, len(items),
              ctx.device)
-    acc = compute(m.model, m.tokenizer, objective, items, ctx.device, max_tokens, max_batch_size)
+    acc = compute(m.model, m.tokenizer, objective, items, ctx.device, max_tokens, max_batch_size, causal=m.causal)
     df = acc.table()
     ctx.save_table(df, "grad_sep")
     ctx.save_figure(figure(df), "grad_sep")
     piv = df[df.stat != "count"].pivot_table(index=["stat", "target"], columns="layer", values="value")
     ctx.log_summary(dict(
-        analysis="grad_sep", objective=objective.name, model=m.name, split=split, max_length=max_length,
+        analysis="grad_sep", objective=objective.name, model=m.name, causal=m.causal, split=split, max_length=max_length,
         n_sequences=acc.n_sequences, seconds=round(time.time() - t0, 1), device=ctx.device,
         per_layer={f"{s}/{t}": [float(v) for v in piv.loc[(s, t)].values] for s, t in piv.index}))
     log.info("grad_sep: %d sequences in %.1fs", acc.n_sequences, time.time() - t0)

@@ -21,6 +21,17 @@ as Clark's ``General_Analysis.ipynb`` (:func:`probes.analysis.clark.metrics.sent
 * ``uniform_entropy``: the Fig 4 reference, mean over sequences of log T (the entropy of uniform
   attention); the same value is repeated on every (layer, head) row so the table stays tidy.
 
+Decoders (causal LMs: the model layer's family says ``causal``; a token's row covers itself and the
+earlier tokens only): position 0 takes the place of [CLS]. Its column is named for what it is:
+``bos`` when the sequences start with a special token the tokenizer adds (Llama-style BOS), ``first``
+when they start with the first word (SmolLM2's GGUF tokenizer and GPT-2 add none); ``bos_entropy`` /
+``first_entropy`` are left out (row 0 sees only itself: entropy 0), ``next`` too (a causal row never
+sees the next token: 0 by construction), and the separator columns when no sequence holds a separator
+(a decoder's tokenizer adds none at the end). ``uniform_entropy`` is then the mean over rows of
+log(i + 1), the entropy of uniform attention over the i + 1 keys row i sees. The sink of decoders
+("attention sink", Xiao et al. 2023) is the ``first``/``bos`` column; ``summary.json`` names the
+column (``first_token``) and gives its mean per layer (``per_layer_mean``).
+
 Outputs: ``head_stats.csv`` (layer, head, stat, value), ``head_stats_by_layer.csv`` (layer, stat,
 mean/min/max over heads), ``head_stats_heatmaps.png``, ``head_stats_layers.png``, ``summary.json``.
 """
@@ -36,7 +47,7 @@ import pandas as pd
 import torch
 
 from probes.analysis import plots
-from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, punct_positions
+from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, is_causal, punct_positions
 from probes.analysis.naming import head_name
 from probes.model import hooks
 from probes.model.families import is_byte_level
@@ -115,22 +126,54 @@ def sequence_attention(encoder, encoded: Sequence[Encoded], device: str = "cpu",
         yield keep[k], attn, punct_positions(tok, items[k].input_ids, byte_level), separator_positions(items[k])
 
 
+def first_token_name(tokenizer, encoded: Sequence[Encoded], causal: bool) -> str:
+    """Name of the column of attention to position 0: ``cls`` (bidirectional encoders: [CLS] / <s>),
+    ``bos`` (causal, every sequence starts with a special token), ``first`` (causal, no BOS: the first word)."""
+    if not causal:
+        return "cls"
+    special = set(tokenizer.all_special_ids)
+    return "bos" if encoded and all(e.input_ids[0] in special for e in encoded) else "first"
+
+
+def output_stats(stats: dict[str, np.ndarray], first: str, causal: bool, has_sep: bool) -> dict[str, np.ndarray]:
+    """The reported statistics (module doc): ``cls`` renamed to ``first``; for causal models without
+    the columns that are constant by construction (``next``, the entropy of row 0) and, with no
+    separator in any sequence, without the separator columns."""
+    drop = ({"next", "cls_entropy"} if causal else set()) | (set() if has_sep else {"sep", "sep_sep", "rest_sep"})
+    out = {}
+    for k in HEAD_STATS:
+        if k not in drop:
+            out[k.replace("cls", first) if k.startswith("cls") else k] = stats[k]
+    return out
+
+
 def compute(encoder, sentences, device: str = "cpu", pairs: bool = True, **batching
             ) -> tuple[HeadStatsAccumulator, int, int]:
     """(:class:`HeadStatsAccumulator` over the sequences that fit, their number of sentences, the number
     of sequences) of the treebank ``Sentence`` objects (:func:`encode_inputs`)."""
+    acc, n_sentences, n_sequences, _ = _compute(encoder, sentences, device, pairs, **batching)
+    return acc, n_sentences, n_sequences
+
+
+def _compute(encoder, sentences, device: str, pairs: bool, **batching):
+    """:func:`compute` plus (first-token column name, whether any sequence holds a separator)."""
+    causal = is_causal(encoder)
     encoded, members = encode_inputs(encoder.tokenizer, sentences, pairs)
-    acc, n_sentences = HeadStatsAccumulator(), 0
+    acc, n_sentences, any_sep = HeadStatsAccumulator(causal), 0, False
     for i, attn, punct, sep in sequence_attention(encoder, encoded, device=device, desc="head_stats", **batching):
         acc.add(attn, punct, sep)
+        any_sep = any_sep or any(sep)
         n_sentences += len(members[i])
-    return acc, n_sentences, len(encoded)
+    return acc, n_sentences, len(encoded), (first_token_name(encoder.tokenizer, encoded, causal), any_sep)
+
+
+FIRST_TITLES = {"first": "to the first token", "bos": "to BOS"}
 
 
 def titles() -> dict[str, str]:
-    """Panel titles of the statistics (the plots' defaults plus Fig 2's [SEP] panel)."""
+    """Panel titles of the statistics (the plots' defaults plus Fig 2's [SEP] panel and decoders' first token)."""
     return {**plots.STAT_TITLES, "sep": "to [SEP] (all separators)", "sep_sep": "[SEP] -> [SEP]",
-            "rest_sep": "other -> [SEP]", "punct": "to . or ,"}
+            "rest_sep": "other -> [SEP]", "punct": "to . or ,", **FIRST_TITLES}
 
 
 def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
@@ -140,21 +183,23 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     ``max_sentences``: the first N sentences of the split (file order), paired when ``pairs``."""
     t0 = time.time()
     sentences = ctx.sentences(split, max_sentences)
-    acc, n_sentences, n_sequences = compute(ctx.encoder, sentences, device=ctx.device, pairs=pairs,
-                                            max_tokens=max_tokens, max_batch_size=max_batch_size)
-    stats = acc.result()
-    stats = {k: stats[k] for k in HEAD_STATS}
+    acc, n_sentences, n_sequences, (first, has_sep) = _compute(
+        ctx.encoder, sentences, ctx.device, pairs, max_tokens=max_tokens, max_batch_size=max_batch_size)
+    stats = output_stats(acc.result(), first, acc.causal, has_sep)
     df = stats_table(stats, acc.uniform_entropy)
     ctx.save_table(df, "head_stats")
     layer_df = by_layer(df[df.stat != "uniform_entropy"])
     ctx.save_table(layer_df, "head_stats_by_layer")
 
     ctx.save_figure(plots.heatmaps(stats, titles=titles()), "head_stats_heatmaps")
-    ctx.save_figure(plots.layer_curves(
-        stats, groups=[["cls", "sep", "punct"], ["rest_sep", "sep_sep"], ["prev", "self", "next"],
-                       ["entropy", "cls_entropy"]],
-        ylabels=["avg. attention", "avg. attention", "avg. attention", "avg. entropy (nats)"],
-        hlines=[None, None, None, {"uniform": acc.uniform_entropy}], titles=titles()), "head_stats_layers")
+    groups = [[first, "sep", "punct"], ["rest_sep", "sep_sep"], ["prev", "self", "next"],
+              ["entropy", f"{first}_entropy"]]
+    groups = [[k for k in g if k in stats] for g in groups]
+    keep = [i for i, g in enumerate(groups) if g]
+    ylabels = ["avg. attention", "avg. attention", "avg. attention", "avg. entropy (nats)"]
+    hlines = [None, None, None, {"uniform": acc.uniform_entropy}]
+    ctx.save_figure(plots.layer_curves(stats, groups=[groups[i] for i in keep], ylabels=[ylabels[i] for i in keep],
+                                       hlines=[hlines[i] for i in keep], titles=titles()), "head_stats_layers")
 
     top = {}
     for k, v in stats.items():
@@ -162,7 +207,8 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
         top[k] = [dict(name=head_name(*np.unravel_index(i, v.shape)), value=float(v.flat[i])) for i in flat]
     per_layer = {k: [float(x) for x in v.mean(1)] for k, v in stats.items()}
     ctx.log_summary(dict(analysis="head_stats", split=split, encoder=ctx.encoder.name,
-                         input="pair" if pairs else "single", n_sequences=acc.n,
+                         input="pair" if pairs else "single", causal=acc.causal, first_token=first,
+                         n_sequences=acc.n,
                          n_skipped=n_sequences - acc.n, n_sentences=n_sentences,
                          n_input_sentences=len(sentences), uniform_entropy=acc.uniform_entropy,
                          per_layer_mean=per_layer, top_heads=top, seconds=round(time.time() - t0, 1)))

@@ -29,6 +29,12 @@ JS_SMOOTHING = 1e-3
 DIRECTIONS = ("dep2head", "head2dep")  # row of the dependent / column of the dependent (transposed map)
 
 
+def is_causal(encoder) -> bool:
+    """The model layer's convention (``encoder.family.causal``): True for a causal LM, whose attention row
+    of a token covers itself and the earlier tokens only."""
+    return bool(getattr(encoder.family, "causal", False))
+
+
 # ------------------------------------------------------------------------------------------ §3
 # Markers a tokenizer puts on pieces: WordPiece continuation, byte-level BPE word start (space),
 # SentencePiece word start.
@@ -126,17 +132,25 @@ def sentence_head_stats(attn: torch.Tensor, punct: torch.Tensor | Sequence[bool]
     )
 
 
+def uniform_row_entropy(T: int, causal: bool = False) -> float:
+    """Mean entropy (nats) of the T rows of a map attending uniformly to every key it may see: log T
+    (bidirectional), or the mean over rows i = 0..T-1 of log(i + 1) (causal: row i sees i + 1 keys)."""
+    return float(np.log(np.arange(1, T + 1)).mean()) if causal else float(np.log(T))
+
+
 class HeadStatsAccumulator:
     """Averages :func:`sentence_head_stats` over sentences (each sentence weighs 1, as Clark's code).
 
-    ``uniform_entropy`` is the reference of Clark's Fig 4: the mean over sentences of log T, the
-    entropy every row would have if it attended uniformly to all T tokens.
+    ``uniform_entropy`` is the reference of Clark's Fig 4: the mean over sentences of the entropy every
+    row would have if it attended uniformly to all the keys it may see (:func:`uniform_row_entropy`:
+    log T; for a ``causal`` model row i sees i + 1 keys).
     """
 
-    def __init__(self):
+    def __init__(self, causal: bool = False):
         self.sums: dict[str, torch.Tensor] = {}
         self.n = 0
         self.log_t = 0.0
+        self.causal = bool(causal)
 
     def add(self, attn: torch.Tensor, punct, sep=None) -> None:
         """attn (L, H, T, T); punct, sep (T,) bool (see :func:`sentence_head_stats`)."""
@@ -144,7 +158,7 @@ class HeadStatsAccumulator:
             v = v.detach().double().cpu()
             self.sums[k] = self.sums[k] + v if k in self.sums else v
         self.n += 1
-        self.log_t += float(np.log(attn.shape[-1]))
+        self.log_t += uniform_row_entropy(attn.shape[-1], self.causal)
 
     def result(self) -> dict[str, np.ndarray]:
         """stat -> (L, H) mean over the added sentences."""
@@ -154,18 +168,24 @@ class HeadStatsAccumulator:
 
     @property
     def uniform_entropy(self) -> float:
-        """Mean over the added sentences of log T (nats)."""
+        """Mean over the added sentences of :func:`uniform_row_entropy` (nats)."""
         return self.log_t / max(self.n, 1)
 
 
 # ------------------------------------------------------------------------------------------ §4
-def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False) -> np.ndarray:
+def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False, causal: bool = False) -> np.ndarray:
     """Most-attended other word of every word, per head (Clark's ``attn_head_predictor``).
 
     word_attn: (L, H, W, W) word-level maps, W = n + 2. ``transpose=False`` (dep2head): word j's
     prediction is the word its row attends to most; ``transpose=True`` (head2dep): the word that
     attends most to j. Attention to self and to [CLS]/[SEP] is ignored. Returns (L, H, n) int,
     1-based word indices. A one-word sentence predicts the word itself (never a correct head).
+
+    ``causal`` (decoders: row i sees words <= i only): the candidates are the words a head can see in
+    that direction: dep2head, the words *before* j (j's row); head2dep, the words *after* j (the rows
+    that see j). So dep2head can only be right when the gold head precedes the dependent, head2dep
+    only when it follows; a word with no candidate (the first word in dep2head, the last in head2dep)
+    predicts 0 (ROOT), which is never a scored head.
     """
     a = torch.as_tensor(np.asarray(word_attn, dtype=np.float32))
     if transpose:
@@ -174,6 +194,14 @@ def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False)
     n = a.shape[-1]
     idx = torch.arange(n)
     a[..., idx, idx] = float("-inf")
+    if causal:
+        # row j of a: dep2head candidates k < j; head2dep (transposed) candidates k > j
+        visible = idx[None, :] < idx[:, None] if not transpose else idx[None, :] > idx[:, None]  # (n, n)
+        a = a.masked_fill(~visible, float("-inf"))
+        pred = a.argmax(-1) + 1  # (L, H, n)
+        none = ~visible.any(-1)  # (n,) words without a candidate
+        pred[..., none] = 0
+        return pred.numpy()
     if n == 1:
         return np.ones(a.shape[:-1], dtype=np.int64)
     return a.argmax(-1).numpy() + 1
@@ -207,12 +235,17 @@ class DepAccumulator:
     """Counts correct head predictions per relation, for every head/direction and every offset.
 
     Relations in ``exclude`` (and words whose gold head is root) are left out, also of ``all``.
+    ``causal``: the direction rule of decoders (:func:`predict_heads`). ``head_before[rel]`` counts the
+    pairs whose gold head precedes the scored word (those dep2head can get right in a causal model;
+    head2dep can get the others).
     """
 
     def __init__(self, num_layers: int, num_heads: int, offsets: Sequence[int] = (-3, -2, -1, 0, 1, 2),
                  exclude: Sequence[str] = ("root", "punct"), poss_relations: Sequence[str] = (),
-                 strip_subtypes: bool = False):
+                 strip_subtypes: bool = False, causal: bool = False):
         self.L, self.H = num_layers, num_heads
+        self.causal = bool(causal)
+        self.head_before: dict[str, int] = {}
         self.offsets = list(offsets)
         self.exclude = set(exclude)
         self.poss_relations = list(poss_relations)
@@ -236,15 +269,17 @@ class DepAccumulator:
         if not keep.any():
             return
         pos = evaluation_positions(words, rels, self.poss_relations)
-        pred = np.stack([predict_heads(word_attn, transpose=False),
-                         predict_heads(word_attn, transpose=True)])  # (2, L, H, n)
+        pred = np.stack([predict_heads(word_attn, transpose=False, causal=self.causal),
+                         predict_heads(word_attn, transpose=True, causal=self.causal)])  # (2, L, H, n)
         head_ok = pred[..., pos] == heads  # (2, L, H, n)
+        before = heads < pos + 1  # (n,) gold head precedes the scored word (1-based)
         off_ok = np.stack([offset_predictions(n, o)[pos] == heads for o in self.offsets])  # (O, n)
         rels_arr = np.asarray(rels, dtype=object)
         for r in ["all", *sorted({r for r, k in zip(rels, keep) if k})]:
             m = keep if r == "all" else keep & (rels_arr == r)
             c = int(m.sum())
             self.count[r] = self.count.get(r, 0) + c
+            self.head_before[r] = self.head_before.get(r, 0) + int((before & m).sum())
             hc = head_ok[..., m].sum(-1)
             oc = off_ok[:, m].sum(-1)
             if r in self.head_correct:
@@ -257,6 +292,11 @@ class DepAccumulator:
     def head_accuracy(self, rel: str) -> np.ndarray:
         """(2, L, H) accuracy of every head in both directions (DIRECTIONS order)."""
         return self.head_correct[rel] / max(self.count[rel], 1)
+
+    def head_before_share(self, rel: str) -> float:
+        """Share of ``rel``'s pairs whose head precedes the scored word: in a causal model the most
+        dep2head can reach (head2dep: 1 minus it)."""
+        return self.head_before[rel] / max(self.count[rel], 1)
 
     def offset_accuracy(self, rel: str) -> np.ndarray:
         """(n_offsets,) accuracy of each offset baseline."""

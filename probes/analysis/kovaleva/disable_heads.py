@@ -8,6 +8,11 @@ head's attention to uniform). The model is scored with nothing disabled, with ea
 ``hf_model`` folder or a run folder holding one, or a Lightning ``.ckpt`` built on ``encoder``);
 several at once as a {task: path} mapping.
 
+Decoders (causal LMs) work the same way: their ``*ForSequenceClassification`` (Llama, Qwen, GPT-2, ...)
+pools the last real token of each right-padded row (the checkpoint's config needs a ``pad_token_id``),
+and a disabled head's "uniform over the real tokens" is uniform over the keys its causal row sees
+(itself and the earlier tokens). Checked in ``tests/test_decoder_analyses.py`` on a tiny Llama.
+
 ``reuse_prefix`` (default): the outputs of the layers below the disabled one cannot change, so they
 are taken from the plain run (``probes.model.hooks.PrefixCache``) and only layers >= l are computed;
 exact. Models whose blocks are shared across layers (ALBERT) always run in full.

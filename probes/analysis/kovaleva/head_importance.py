@@ -14,6 +14,9 @@ One?*) of a fine-tuned GLUE model, its agreement with Kovaleva et al.'s head dis
   and in ``n_random`` seeded random orders, at the shares ``0, step, 2 step, ...`` of all heads; the
   dev metric at each share.
 
+Decoders: as for ``analysis=disable_heads`` (last-token pooling of the checkpoint's
+``*ForSequenceClassification``; gates act on each query head, grouped-query attention included).
+
 Outputs, per task: ``head_importance_<task>.csv`` (layer, head, name, importance, importance_norm,
 disable_delta), ``pruning_<task>.csv`` (order ∈ {importance, random-k}, share, n_removed, metric,
 value), ``head_importance_<task>.png`` (layer x head heatmap), ``pruning_<task>.png``, ``summary.json``.
