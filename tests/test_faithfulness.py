@@ -17,7 +17,7 @@ from captum.attr import InputXGradient, IntegratedGradients
 from scipy.stats import spearmanr
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from probes.analysis.beyond.faithfulness import (METRICS, Classifier, make_items, paper_numbers, score_example,
+from probes.analysis.beyond.faithfulness import (METRICS, Classifier, make_items, merge, paper_numbers, score_example,
                                                  top_counts)
 from probes.analysis.context import AnalysisContext, run_analysis
 from probes.analysis.stats import bootstrap_mean
@@ -336,3 +336,23 @@ def test_doc_tables_are_the_recorded_runs(task):
             assert got, (kind, m, cell)
             for v, col in zip(got.groups(), (m, f"{m}_lo", f"{m}_hi")):
                 assert float(v) == pytest.approx(round(float(table.loc[kind, col]), 3), abs=6e-4), (kind, col)
+
+
+def test_runs_over_parts_merge_into_the_run_over_all(root, tmp_path):
+    run = make_run("bert", "sst2", root)
+    full = run_faithfulness(root, run, tmp_path / "full", n_boot=200, ig_steps=3)
+    for first in (0, 2):
+        run_faithfulness(root, run, tmp_path / f"part{first}", first_example=first, max_examples=2, n_boot=200,
+                         ig_steps=3)
+    table = merge([tmp_path / "part2", tmp_path / "part0"], tmp_path / "merged", n_boot=200, seed=0)
+    ex = pd.read_csv(tmp_path / "merged" / "faithfulness_examples.csv").sort_values(["example", "kind", "layer"])
+    want = full.tables["faithfulness_examples"].sort_values(["example", "kind", "layer"])
+    np.testing.assert_allclose(ex[list(METRICS)].to_numpy(float), want[list(METRICS)].to_numpy(float), atol=1e-12)
+    got = table.set_index("kind")[list(METRICS)]
+    np.testing.assert_allclose(got.to_numpy(float), full.tables["faithfulness"].set_index("kind").loc[got.index,
+                                                                                                   list(METRICS)]
+                               .to_numpy(float), atol=1e-12)
+    s = json.loads((tmp_path / "merged" / "summary.json").read_text())
+    assert s["tasks"]["sst2"]["n_examples"] == 4 and (tmp_path / "merged" / "faithfulness_layers.png").exists()
+    with pytest.raises(ValueError, match="share examples"):
+        merge([tmp_path / "part0", tmp_path / "full"], tmp_path / "bad")

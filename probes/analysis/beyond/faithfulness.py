@@ -43,11 +43,13 @@ layer, metric, mean, lo, hi, n), ``faithfulness_examples.csv`` (per example), ``
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -59,6 +61,7 @@ from tqdm import tqdm
 from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
 from probes.analysis.stats import bootstrap_mean, spearman_rows
 from probes.data.glue import GlueExample, read_glue, task_spec
+from probes.io import atomic_write
 from probes.measures import Measure
 from probes.measures.saliency import logit_attributions
 from probes.model import hooks
@@ -356,7 +359,7 @@ def layers_figure(layers: pd.DataFrame, kinds: Sequence[str], references: Sequen
 
 # ----------------------------------------------------------------------------- the analysis
 def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, split: str = "dev",
-                          max_examples: int | None = None, max_length: int | None = 128,
+                          max_examples: int | None = None, first_example: int = 0, max_length: int | None = 128,
                           kinds: Sequence[str] = ("attention", "rollout"), measures=None,
                           references: Sequence[str] = ("ixg", "ig", "loo", "random"), layer: int | None = None,
                           row: int = 0, level: str = "word", erase: str = "delete",
@@ -391,13 +394,15 @@ def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, spli
         mask_id = ft.tokenizer.mask_token_id
         if erase == "mask" and mask_id is None:
             raise ValueError(f"analysis.erase=mask: the tokenizer of {ft.path} has no mask token")
-        examples = read_glue(ft.task, split, ctx.data_dir)[:max_examples]
+        examples = read_glue(ft.task, split, ctx.data_dir)
+        examples = examples[first_example:None if max_examples is None else first_example + max_examples]
         items, skipped = make_items(ft.tokenizer, examples, level, max_length)
         if not items:
             raise ValueError(f"no {ft.task} {split} example of at most {max_length} pieces")
         log.info("faithfulness: %s %s, %d examples (%d longer than %s pieces skipped), %s level, %d kinds",
                  ft.task, split, len(items), len(skipped), max_length, level, len(kinds))
         clf = Classifier(model, ft.tokenizer.pad_token_id, ctx.device, max_tokens)
+        suffix = f"_{ft.task}" if len(checkpoints(checkpoint, task)) > 1 else ""
         aopc_at = list(range(1, L + 1)) if aopc_layers == "all" else [sel]
         rows, timing, correct = [], {}, 0
         labels = {ex.idx: ex.label for ex in examples}
@@ -407,19 +412,21 @@ def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, spli
                 el = time.time() - t_loop
                 log.info("faithfulness %s: %d/%d examples, %.0f s elapsed, ~%.0f s left", ft.task, i, len(items), el,
                          el / i * (len(items) - i))
+                partial = ctx.output_dir / f"faithfulness_examples{suffix}.partial.csv"  # a stopped run keeps these
+                atomic_write(partial, lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
             es = score_example(item, model, built, clf, references=references, row=row, erase=erase,
                                mask_id=mask_id, bins=bins, aopc_layers=aopc_at, ig_steps=ig_steps, seed=seed,
                                device=ctx.device, timing=timing)
             correct += int(es.predicted == labels[item.idx])
             rows += es.rows
         ex_df = pd.DataFrame(rows)
+        (ctx.output_dir / f"faithfulness_examples{suffix}.partial.csv").unlink(missing_ok=True)
         for m in METRICS:
             v = ex_df[m].to_numpy(dtype=float)
             if np.isinf(v).any():
                 raise FloatingPointError(f"faithfulness: non-finite {m} values")
         layers_df = summarize(ex_df, n_boot, seed)
         table = main_table(layers_df, kinds, references, sel, papers)
-        suffix = f"_{ft.task}" if len(checkpoints(checkpoint, task)) > 1 else ""
         ctx.save_table(table, f"faithfulness{suffix}")
         ctx.save_table(layers_df, f"faithfulness_layers{suffix}")
         ctx.save_table(ex_df, f"faithfulness_examples{suffix}")
@@ -436,3 +443,62 @@ def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, spli
         result = table
     ctx.log_summary(dict(analysis="faithfulness", split=split, tasks=summary, seconds=round(time.time() - t_start, 1)))
     return result
+
+
+# ----------------------------------------------------------------------------- runs over parts of a split
+SETTINGS = ("checkpoint", "layer", "row", "level", "erase", "bins", "aopc_layers", "ig_steps")
+
+
+def merge(folders: Sequence, out_dir, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """One run's tables, figures and ``summary.json`` in ``out_dir`` from runs over disjoint parts of one split
+    (``analysis.first_example`` / ``max_examples``, one checkpoint each, the same settings); the per-example
+    numbers do not depend on the part, so this equals one run over all the examples.
+
+    ``python -c "from probes.analysis.beyond.faithfulness import merge; merge(['run-a', 'run-b'], 'merged')"``
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    frames, parts = [], []
+    for f in map(Path, folders):
+        s = json.loads((f / "summary.json").read_text())
+        [(task, t)] = s["tasks"].items()
+        parts.append((f, task, t, s))
+        frames.append(pd.read_csv(f / "faithfulness_examples.csv"))
+    f0, task, t0, s0 = parts[0]
+    for f, tk, t, _ in parts[1:]:
+        diff = [k for k in SETTINGS if t.get(k) != t0.get(k)]
+        if tk != task or diff:
+            raise ValueError(f"{f}: not a part of the run in {f0} (task {tk} vs {task}; settings differ: {diff})")
+    ex_df = pd.concat(frames, ignore_index=True)
+    ids = ex_df.drop_duplicates(["example", "kind", "layer"])
+    if len(ids) != len(ex_df):
+        raise ValueError(f"merge: the runs {list(map(str, folders))} share examples")
+    references = [k for k in dict.fromkeys(ex_df.kind[ex_df.layer == REFERENCE_LAYER])]
+    kinds = [k for k in dict.fromkeys(ex_df.kind) if k not in references]
+    layers_df = summarize(ex_df, n_boot, seed)
+    table = main_table(layers_df, kinds, references, int(t0["layer"]), paper_numbers())
+    n = int(ex_df.example.nunique())
+    for name, df in (("faithfulness", table), ("faithfulness_layers", layers_df), ("faithfulness_examples", ex_df),
+                     ("faithfulness_papers", pd.DataFrame(paper_numbers()))):
+        atomic_write(out / f"{name}.csv", lambda tmp, df=df: df.to_csv(tmp, index=False))
+    what = f"{task} {s0.get('split', '')}, {n} examples, {t0['level']} level, erase={t0['erase']}"
+    for name, fig in (("faithfulness", heatmap_figure(table, f"{what}: layer {t0['layer']} row {t0['row']}")),
+                      ("faithfulness_layers", layers_figure(layers_df, kinds, references, what))):
+        atomic_write(out / f"{name}.png", lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=120,
+                                                                            bbox_inches="tight"))
+        plt.close(fig)
+    timing = {}
+    for _, _, t, _ in parts:
+        for k, v in t["seconds_per_kind"].items():
+            timing[k] = round(timing.get(k, 0.0) + v, 1)
+    summary = dict(analysis="faithfulness", split=s0.get("split"), parts=[str(f) for f, *_ in parts],
+                   seconds_parts=[s["seconds"] for *_, s in parts],
+                   tasks={task: {**{k: t0[k] for k in SETTINGS}, "n_examples": n,
+                                 "skipped_too_long": sum(t["skipped_too_long"] for _, _, t, _ in parts),
+                                 "accuracy": sum(t["accuracy"] * t["n_examples"] for _, _, t, _ in parts) / n,
+                                 "seconds_per_kind": timing,
+                                 "table": {r["kind"]: {m: r[m] for m in METRICS} for r in table.to_dict("records")}}})
+    text = json.dumps(summary, indent=1, sort_keys=True, default=lambda o: o.item())  # numpy scalars
+    atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(text))
+    return table
+
