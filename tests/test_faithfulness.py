@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 from captum.attr import InputXGradient, IntegratedGradients
+from omegaconf import OmegaConf
 from scipy.stats import spearmanr
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -34,13 +35,15 @@ from probes.model.tiny import FAMILIES, tiny_folder
 ROOT = Path(__file__).resolve().parents[1]
 SST2 = ["it 's a charming and often affecting journey .", "unflinchingly bleak and desperate",
         "the acting , costumes , music , cinematography and sound are all astounding", "a mess ."]
-MRPC = [("He said the pie business does n't fit the company 's strategy .", "The pie business does not fit our strategy ."),
+MRPC = [("He said the pie business does n't fit the company 's strategy .",
+         "The pie business does not fit our strategy ."),
         ("Magnarelli said Racicot hated the regime .", "His wife said he was behind Bush .")]
 
 
 def write_glue(root: Path) -> Path:
     (root / "SST-2").mkdir(parents=True)
-    (root / "SST-2" / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"{s} \t{i % 2}\n" for i, s in enumerate(SST2)))
+    (root / "SST-2" / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"{s} \t{i % 2}\n"
+                                                                         for i, s in enumerate(SST2)))
     (root / "MRPC").mkdir()
     (root / "MRPC" / "dev.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "".join(
         f"{i % 2}\t{i}\t{i + 100}\t{a}\t{b}\n" for i, (a, b) in enumerate(MRPC)))
@@ -148,9 +151,10 @@ def test_top_counts_and_bootstrap():
 
 
 def test_papers_numbers_from_papers_yaml():
-    nums = {(x["source"].split(",")[0], x["kind"], x["metric"], x.get("model", "")): x["value"] for x in paper_numbers()}
-    vals = {(s, k, m): v for (s, k, m, _), v in nums.items()}
-    assert vals[("Abnar & Zuidema 2020", "rollout", "spearman_blankout")] in (0.71, 0.13)
+    nums = {(x["source"], x["kind"], x["metric"], x["model"]): x["value"] for x in paper_numbers()}
+    assert nums[("Abnar & Zuidema 2020", "rollout", "spearman_blankout", "6-layer SVA transformer")] == 0.71
+    assert nums[("Abnar & Zuidema 2020", "flow", "spearman_blankout", "DistilBERT SST-2")] == 0.14
+    assert nums[("Abnar & Zuidema 2020", "flow", "spearman_grad", "6-layer SVA transformer")] == 0.61
     got = sorted(v for (s, k, m, _), v in nums.items() if s == "Ferrando et al. 2022" and m == "comprehensiveness")
     assert got == [0.076, 0.231, 0.269]
     assert sorted(v for (s, k, m, _), v in nums.items() if s == "Ferrando et al. 2022" and m == "sufficiency") == \
@@ -356,3 +360,15 @@ def test_runs_over_parts_merge_into_the_run_over_all(root, tmp_path):
     assert s["tasks"]["sst2"]["n_examples"] == 4 and (tmp_path / "merged" / "faithfulness_layers.png").exists()
     with pytest.raises(ValueError, match="share examples"):
         merge([tmp_path / "part0", tmp_path / "full"], tmp_path / "bad")
+    # a stopped run: its partial per-example CSV and its Hydra config
+    stopped = tmp_path / "part2"
+    (stopped / "summary.json").unlink()
+    (stopped / "faithfulness_examples.csv").rename(stopped / "faithfulness_examples.partial.csv")
+    (stopped / ".hydra").mkdir()
+    OmegaConf.save(OmegaConf.create({"analysis": dict(task="sst2", checkpoint=str(run), split="dev", layer=None, row=0,
+                                                      level="word", erase="delete", bins=[1, 5, 10, 20, 50],
+                                                      ig_steps=3)}), stopped / ".hydra" / "config.yaml")
+    again = merge([tmp_path / "part0", stopped], tmp_path / "merged2", n_boot=200, seed=0)
+    pd.testing.assert_frame_equal(again[list(METRICS)].reset_index(drop=True), table[list(METRICS)].reset_index(drop=True))
+    s = json.loads((tmp_path / "merged2" / "summary.json").read_text())
+    assert [p["stopped"] for p in s["parts"]] == [False, True]

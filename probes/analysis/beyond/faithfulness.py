@@ -56,11 +56,13 @@ import numpy as np
 import pandas as pd
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
 from probes.analysis.stats import bootstrap_mean, spearman_rows
 from probes.data.glue import GlueExample, read_glue, task_spec
+from probes.glue.export import hf_folder
 from probes.io import atomic_write
 from probes.measures import Measure
 from probes.measures.saliency import logit_attributions
@@ -449,27 +451,46 @@ def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, spli
 SETTINGS = ("checkpoint", "layer", "row", "level", "erase", "bins", "aopc_layers", "ig_steps")
 
 
+def _part(folder: Path) -> tuple[str, dict, dict, pd.DataFrame]:
+    """``(task, settings, summary, examples)`` of a finished run, or of a stopped one (its
+    ``faithfulness_examples.partial.csv`` and ``.hydra/config.yaml``; ``summary`` then ``{"partial": True}``)."""
+    if (folder / "summary.json").exists() and (folder / "faithfulness_examples.csv").exists():
+        s = json.loads((folder / "summary.json").read_text())
+        [(task, t)] = s["tasks"].items()
+        return task, {k: t[k] for k in SETTINGS}, {**t, "seconds": s["seconds"], "split": s.get("split")}, \
+            pd.read_csv(folder / "faithfulness_examples.csv")
+    partial, cfg = folder / "faithfulness_examples.partial.csv", folder / ".hydra" / "config.yaml"
+    if not (partial.exists() and cfg.exists()):
+        raise FileNotFoundError(f"{folder}: neither a finished faithfulness run (summary.json, faithfulness_examples.csv)"
+                                f" nor a stopped one ({partial.name} and .hydra/config.yaml)")
+    a = OmegaConf.load(cfg).analysis
+    ex = pd.read_csv(partial)
+    if not a.task:
+        raise ValueError(f"{cfg}: a stopped run merges only with analysis.task set")
+    t = dict(checkpoint=str(hf_folder(a.checkpoint) or a.checkpoint), layer=int(a.layer or ex.layer.max()), row=int(a.row), level=str(a.level),
+             erase=str(a.erase), bins=[float(b) if float(b) % 1 else int(b) for b in a.bins],
+             aopc_layers=sorted({int(x) for x in ex.layer[ex.comprehensiveness.notna() & (ex.layer > 0)]}),
+             ig_steps=int(a.ig_steps))
+    return str(a.task), t, {"partial": True, "split": str(a.split), "n_examples": int(ex.example.nunique())}, ex
+
+
 def merge(folders: Sequence, out_dir, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
     """One run's tables, figures and ``summary.json`` in ``out_dir`` from runs over disjoint parts of one split
     (``analysis.first_example`` / ``max_examples``, one checkpoint each, the same settings); the per-example
-    numbers do not depend on the part, so this equals one run over all the examples.
+    numbers do not depend on the part, so this equals one run over all the examples. A stopped run contributes
+    the examples of its ``faithfulness_examples.partial.csv`` (written every ``log_every`` examples).
 
     ``python -c "from probes.analysis.beyond.faithfulness import merge; merge(['run-a', 'run-b'], 'merged')"``
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    frames, parts = [], []
-    for f in map(Path, folders):
-        s = json.loads((f / "summary.json").read_text())
-        [(task, t)] = s["tasks"].items()
-        parts.append((f, task, t, s))
-        frames.append(pd.read_csv(f / "faithfulness_examples.csv"))
-    f0, task, t0, s0 = parts[0]
-    for f, tk, t, _ in parts[1:]:
+    parts = [(f, *_part(f)) for f in map(Path, folders)]
+    f0, task, t0, s0, _ = parts[0]
+    for f, tk, t, _, _ in parts[1:]:
         diff = [k for k in SETTINGS if t.get(k) != t0.get(k)]
         if tk != task or diff:
             raise ValueError(f"{f}: not a part of the run in {f0} (task {tk} vs {task}; settings differ: {diff})")
-    ex_df = pd.concat(frames, ignore_index=True)
+    ex_df = pd.concat([p[-1] for p in parts], ignore_index=True)
     ids = ex_df.drop_duplicates(["example", "kind", "layer"])
     if len(ids) != len(ex_df):
         raise ValueError(f"merge: the runs {list(map(str, folders))} share examples")
@@ -488,17 +509,17 @@ def merge(folders: Sequence, out_dir, *, n_boot: int = 1000, seed: int = 0) -> p
                                                                             bbox_inches="tight"))
         plt.close(fig)
     timing = {}
-    for _, _, t, _ in parts:
-        for k, v in t["seconds_per_kind"].items():
+    for *_, s, _ in parts:
+        for k, v in (s.get("seconds_per_kind") or {}).items():
             timing[k] = round(timing.get(k, 0.0) + v, 1)
-    summary = dict(analysis="faithfulness", split=s0.get("split"), parts=[str(f) for f, *_ in parts],
-                   seconds_parts=[s["seconds"] for *_, s in parts],
-                   tasks={task: {**{k: t0[k] for k in SETTINGS}, "n_examples": n,
-                                 "skipped_too_long": sum(t["skipped_too_long"] for _, _, t, _ in parts),
-                                 "accuracy": sum(t["accuracy"] * t["n_examples"] for _, _, t, _ in parts) / n,
-                                 "seconds_per_kind": timing,
+    done = [s for *_, s, _ in parts if not s.get("partial")]
+    summary = dict(analysis="faithfulness", split=s0.get("split"),
+                   parts=[dict(folder=str(f), examples=int(ex.example.nunique()), stopped=bool(s.get("partial")),
+                               seconds=s.get("seconds")) for f, _, _, s, ex in parts],
+                   tasks={task: {**t0, "n_examples": n, "seconds_per_kind_finished_parts": timing,
+                                 "accuracy_finished_parts": (sum(s["accuracy"] * s["n_examples"] for s in done) /
+                                                             sum(s["n_examples"] for s in done)) if done else None,
                                  "table": {r["kind"]: {m: r[m] for m in METRICS} for r in table.to_dict("records")}}})
     text = json.dumps(summary, indent=1, sort_keys=True, default=lambda o: o.item())  # numpy scalars
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(text))
     return table
-
