@@ -6,6 +6,7 @@ Distributions lie along the last axis; maps are (..., T, T) with rows = attendin
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -120,3 +121,34 @@ def ols(y: np.ndarray, X: np.ndarray, names: Sequence[str], groups: np.ndarray |
     return [dict(term=names[i], coef=float(beta[i]), se=float(se[i]), t=float(t[i]), p=float(p[i]),
                  se_cluster=float(se_c[i]), z_cluster=float(z_c[i]), p_cluster=float(p_c[i]), n=int(n),
                  n_groups=n_groups) for i in range(k)]
+
+
+def bootstrap_mean(values, n_boot: int = 1000, seed: int = 0, level: float = 0.95, chunk: int = 100
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Mean over examples and its percentile-bootstrap interval, per column, NaN left out.
+
+    values: (N, K) (or (N,)), one row per example. Examples are resampled with replacement (the same
+    resamples for every column, ``n_boot`` of them, seeded). Returns ``(mean, lo, hi, n)`` each (K,)
+    (n = the non-NaN examples of the column; a column without any is NaN)."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v.reshape(len(v), -1)  # (N, K)
+    N, K = v.shape
+    ok = ~np.isnan(v)
+    n = ok.sum(0)
+    filled = np.where(ok, v, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = filled.sum(0) / n
+    if N == 0:
+        nan = np.full(K, np.nan)
+        return mean, nan, nan, n
+    rng = np.random.default_rng(seed)
+    boots = np.empty((n_boot, K))
+    for s in range(0, n_boot, chunk):
+        idx = rng.integers(0, N, size=(min(chunk, n_boot - s), N))  # (c, N)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boots[s:s + len(idx)] = filled[idx].sum(1) / ok[idx].sum(1)
+    a = (1 - level) / 2
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: NaN interval
+        lo, hi = np.nanquantile(boots, a, axis=0), np.nanquantile(boots, 1 - a, axis=0)
+    return mean, lo, hi, n

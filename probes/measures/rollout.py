@@ -45,8 +45,9 @@ class Rollout(Measure):
         return list(r.unsqueeze(2))
 
 
-def flow_maps(aug: np.ndarray, scale: float = 1e9) -> np.ndarray:
-    """Attention flow of one sentence: aug (L, n, n) residual-augmented maps -> (L, n, n) row-normalised flows."""
+def flow_maps(aug: np.ndarray, scale: float = 1e9, rows=None) -> np.ndarray:
+    """Attention flow of one sentence: aug (L, n, n) residual-augmented maps -> (L, n, n) row-normalised flows
+    (``rows``: only those rows of every layer, the others 0; None: all)."""
     L, n, _ = aug.shape
     N = (L + 1) * n
     if float(np.max(aug, initial=0.0)) * scale > np.iinfo(np.int32).max:
@@ -58,7 +59,7 @@ def flow_maps(aug: np.ndarray, scale: float = 1e9) -> np.ndarray:
     out = np.zeros((L, n, n))
     for l in range(1, L + 1):
         g = csr_matrix(cap[:(l + 1) * n, :(l + 1) * n])  # nodes above layer l cannot be reached
-        for i in range(n):
+        for i in (range(n) if rows is None else [r for r in rows if r < n]):
             for j in range(n):
                 out[l - 1, i, j] = maximum_flow(g, l * n + i, j).flow_value
         out[l - 1] /= np.maximum(out[l - 1].sum(-1, keepdims=True), 1)
@@ -66,12 +67,15 @@ def flow_maps(aug: np.ndarray, scale: float = 1e9) -> np.ndarray:
 
 
 class Flow(Measure):
-    """Attention flow F_l, (B, 1, T, T) per layer; sentences of at most ``max_pieces`` pieces."""
+    """Attention flow F_l, (B, 1, T, T) per layer; sentences of at most ``max_pieces`` pieces. ``rows``: only
+    those rows (e.g. ``[0]``, the first special token's: L * n max-flow problems instead of L * n^2), the
+    others 0; None: all."""
 
     per_head = False
 
-    def __init__(self, max_pieces: int = 32, scale: float = 1e9):
+    def __init__(self, max_pieces: int = 32, scale: float = 1e9, rows=None):
         self.max_pieces, self.scale = int(max_pieces), float(scale)
+        self.rows = None if rows is None else [int(r) for r in rows]
 
     def __call__(self, model, input_ids, attention_mask):
         aug = augmented(Attention()(model, input_ids, attention_mask)).cpu().numpy()  # (L, B, T, T)
@@ -83,5 +87,5 @@ class Flow(Measure):
             if n > self.max_pieces:
                 raise ValueError(f"flow: a sequence of {n} pieces exceeds max_pieces={self.max_pieces} "
                                  "(extract.measures.flow.max_pieces)")
-            out[:, b, 0, :n, :n] = torch.from_numpy(flow_maps(aug[:, b, :n, :n], self.scale)).to(out.device)
+            out[:, b, 0, :n, :n] = torch.from_numpy(flow_maps(aug[:, b, :n, :n], self.scale, self.rows)).to(out.device)
         return list(out)
