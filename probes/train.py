@@ -29,6 +29,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import wandb
 from hydra.utils import instantiate
+from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -120,7 +121,11 @@ def resume(folder: str | os.PathLike) -> dict[str, float]:
     cfg = resume_config(folder)
     hydra_yaml = Path(cfg.resume) / ".hydra" / "hydra.yaml"
     if hydra_yaml.is_file() and not HydraConfig.initialized():  # the job's Hydra record (choices, overrides)
-        HydraConfig.instance().set_config(OmegaConf.create({"hydra": OmegaConf.load(hydra_yaml).hydra}))
+        try:
+            node = OmegaConf.merge(OmegaConf.structured(HydraConf), OmegaConf.load(hydra_yaml).hydra)
+            HydraConfig.instance().set_config(OmegaConf.create({"hydra": node}))
+        except Exception as e:  # a record of another Hydra version: provenance names the resume command only
+            log.warning("could not read %s (%s): provenance records the resume command only", hydra_yaml, e)
     handler = logging.FileHandler(Path(cfg.resume) / "train.log")  # Hydra's job log, appended to
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(handler)

@@ -206,8 +206,10 @@ class TreebankDataModule(pl.LightningDataModule):
                           persistent_workers=self.num_workers > 0)
 
     def _trainer_epoch(self) -> int | None:
-        """The trainer's current epoch (None outside a Trainer): the training order's epoch."""
-        return None if self.trainer is None else self.trainer.current_epoch
+        """The epoch whose training order is drawn (None outside a Trainer): the fit loop's processed epochs,
+        the count Lightning gives samplers (``set_epoch``); unlike ``current_epoch`` it is already right when a
+        run resumed from an end-of-epoch checkpoint makes its first iterator."""
+        return None if self.trainer is None else self.trainer.fit_loop.epoch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

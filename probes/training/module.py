@@ -201,6 +201,8 @@ class ProbeModule(pl.LightningModule):
             setattr(self.val_best, k, v.to(getattr(self.val_best, k).device))
         self.val_best._update_count = state["val_best_updates"]
         self.val_best._computed = None
+        # the generators as they were at the end of that epoch: a loader made next draws its shuffling seed from
+        # them as in the run left alone (loader workers started before it, in a sanity check, would draw first)
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         name, keys, pos, has_gauss, cached = rng["numpy"]
