@@ -240,6 +240,8 @@ def _describe(want: Any) -> str:
         return " or ".join(dict.fromkeys(_describe(a) for a in args))
     if origin is typing.Literal:
         return "one of " + ", ".join(map(repr, args))
+    plain = {list: "a list", tuple: "a list", dict: "a mapping", collections.abc.Sequence: "a list",
+             collections.abc.Mapping: "a mapping"}
     if origin is not None:
-        return {list: "a list", tuple: "a list", dict: "a mapping"}.get(origin, getattr(origin, "__name__", str(want)))
-    return getattr(want, "__name__", str(want))
+        return plain.get(origin, getattr(origin, "__name__", str(want)))
+    return plain.get(want, getattr(want, "__name__", str(want)))

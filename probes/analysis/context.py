@@ -85,6 +85,7 @@ class AnalysisContext:
     def __init__(self, cfg: DictConfig, output_dir: str | os.PathLike, use_wandb: bool | None = None,
                  name: str | None = None, *, encoder: Encoder | None = None, treebank: Treebank | None = None,
                  figures: bool = True):
+        check_types(cfg)  # wrong types in overrides: an error naming the key, before any folder or file
         self.cfg = cfg
         self._name = name
         self.output_dir = Path(output_dir)
@@ -367,7 +368,8 @@ def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike, *, context: Ana
     Returns:
         The tables, figures and summary the analysis saved, and its return value.
     """
-    check_types(cfg)  # wrong types in overrides: an error naming the key, before any work
+    if context is None:
+        check_types(cfg)  # wrong types in overrides: an error naming the key, before any work
     seed_everything(int(cfg.get("seed", 0)))
     ctx = context if context is not None else AnalysisContext(cfg, output_dir, **context_args)
     fn = instantiate(cfg.analysis)
