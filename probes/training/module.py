@@ -22,6 +22,8 @@ One convention for all of them:
   raises :class:`NonFiniteInputError` naming the split, epoch, batch, the sentences (items) holding it and the
   data they came from (the datamodule's ``source(stage)``: the cache entry); a NaN or infinite loss raises
   :class:`NonFiniteLossError` naming the split, epoch, batch and its items.
+- **Resume**: a checkpoint also holds the tracked best and the random generators' states
+  (:meth:`ProbeModule.on_save_checkpoint`), restored when ``python train.py resume=<run folder>`` loads it.
 - **Models without parameters**: :meth:`ProbeModule.build` creates whatever needs sizes from the data, so
   :meth:`ProbeModule.trainable` can tell before fitting whether there is anything to train (``probes.train``
   scores a parameter-free probe without fitting).
