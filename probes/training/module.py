@@ -126,7 +126,10 @@ class ProbeModule(pl.LightningModule):
         if not isinstance(batch, Mapping):
             return
         for name, value in batch.items():
-            if not (torch.is_tensor(value) and value.is_floating_point()) or bool(torch.isfinite(value).all()):
+            if not (torch.is_tensor(value) and value.is_floating_point()):
+                continue
+            # one pass without a mask: a sum is finite unless a value is not (or it overflows: checked below)
+            if bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()):
                 continue
             bad = ~torch.isfinite(value.detach())
             rows = bad.flatten(1).any(1).nonzero().flatten() if value.dim() > 1 else bad.nonzero().flatten()
