@@ -1,4 +1,5 @@
-"""Train and evaluate a probe: `python train.py [experiment=...] [overrides]` (see README)."""
+"""Train and evaluate a probe: `python train.py [experiment=...] [overrides]` (see README); continue a killed
+run in its folder: `python train.py resume=<run folder>`."""
 
 import os
 from pathlib import Path
@@ -10,7 +11,7 @@ import probes.resolvers  # noqa: F401  (${unique_now:...} in conf/hydra/default.
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))  # before the package reads it
 
-from probes.train import objective, run_ddp_rank, train  # noqa: E402
+from probes.train import objective, resume_from_argv, run_ddp_rank, train  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -20,5 +21,6 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    if not run_ddp_rank():  # a DDP rank > 0 trains from rank 0's config, in rank 0's run folder
+    # a DDP rank > 0 trains from rank 0's config, in rank 0's run folder; resume=<run folder> continues a run
+    if not run_ddp_rank() and not resume_from_argv():
         main()

@@ -8,30 +8,47 @@ before the processes start; ``train.py`` in a started rank (``LOCAL_RANK`` > 0 w
 skips Hydra and trains from that file (:func:`run_ddp_rank`), so a DDP run has one folder, one
 ``metrics.json`` (written by rank 0) and one wandb run (Lightning logs from rank 0 only). Ranks started by
 SLURM (submitit) get the job's config from the launcher and need none of this.
+
+Resuming (``python train.py resume=<run folder>``, :func:`resume_from_argv`): every run writes
+``checkpoints/last.ckpt`` at the end of each epoch (:class:`probes.training.callbacks.LastCheckpoint`); a killed
+run continues in its own folder from that file, with the config it was started with (``.hydra/config.yaml``),
+and writes its outputs there (atomically, over those of the killed run).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import resource
+import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 import wandb
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from hydra.conf import HydraConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from probes.config import check_types
+from probes.extract.settings import ExtractSettings
 from probes.io import atomic_write_text
 from probes.memory import peak_rss_mb, reset_peak_rss, set_mmap_threshold
 from probes.report.provenance import write_provenance
+from probes.training.callbacks import LAST, LastCheckpoint
 
 log = logging.getLogger(__name__)
 
 DDP_CONFIG_ENV = "PROBES_DDP_CONFIG"
+PRECISION_FILE = "precision.json"
+
+
+class NonFiniteMetricsError(FloatingPointError):
+    """A run ended with NaN or infinite metrics (the message names them); nothing is written as its result."""
 
 
 def objective(metrics: dict, name: str) -> float:
@@ -51,6 +68,73 @@ def run_ddp_rank() -> bool:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     train(OmegaConf.load(path))
     return True
+
+
+def resume_from_argv(argv: list[str] | None = None) -> bool:
+    """``train.py resume=<run folder>``: continue that run (:func:`resume`) and return True; False when the
+    command line has no ``resume=`` (a plain Hydra run). ``resume`` takes no other argument: the run goes on
+    with the config it was started with."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = [a for a in argv if a.startswith("resume=")]
+    if not given or given[0] in ("resume=null", "resume="):
+        return False
+    others = [a for a in argv if a not in given]
+    if others or len(given) > 1:
+        raise SystemExit(f"resume=<run folder> takes no other arguments (the run continues with the config it was "
+                         f"started with, <folder>/.hydra/config.yaml); got also {others or given[1:]}")
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    resume(given[0].split("=", 1)[1])
+    return True
+
+
+def resume_config(folder: str | os.PathLike) -> DictConfig:
+    """The config a training run in ``folder`` was started with (``.hydra/config.yaml``), its output folder set
+    to ``folder`` and ``resume`` to it; an error naming what is missing (folder, config, checkpoint)."""
+    folder = Path(folder).expanduser().resolve()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"resume={folder}: no such run folder")
+    config = folder / ".hydra" / "config.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(f"resume={folder}: {config} is missing (the config the run was started with, "
+                                "written by `python train.py` into every run folder): cannot resume")
+    last_checkpoint(folder)
+    cfg = OmegaConf.load(config)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(folder)  # in place of ${hydra:runtime.output_dir} (also if the folder moved)
+        cfg.resume = str(folder)
+    return cfg
+
+
+def last_checkpoint(folder: str | os.PathLike) -> Path:
+    """``<folder>/checkpoints/last.ckpt``; an error when the run wrote none (killed in its first epoch, or
+    ``fit=false``)."""
+    path = Path(folder) / "checkpoints" / LAST
+    if not path.is_file():
+        raise FileNotFoundError(f"resume={folder}: no checkpoint to resume from ({path} is missing: the run was "
+                                "killed before the end of its first epoch, or did not train); start it again")
+    return path
+
+
+def resume(folder: str | os.PathLike) -> dict[str, float]:
+    """Continue the killed training run in ``folder`` from its ``checkpoints/last.ckpt`` with the config it was
+    started with; its outputs (metrics, predictions, provenance) are written into ``folder``."""
+    cfg = resume_config(folder)
+    hydra_yaml = Path(cfg.resume) / ".hydra" / "hydra.yaml"
+    if hydra_yaml.is_file() and not HydraConfig.initialized():  # the job's Hydra record (choices, overrides)
+        try:
+            node = OmegaConf.merge(OmegaConf.structured(HydraConf), OmegaConf.load(hydra_yaml).hydra)
+            HydraConfig.instance().set_config(OmegaConf.create({"hydra": node}))
+        except Exception as e:  # a record of another Hydra version: provenance names the resume command only
+            log.warning("could not read %s (%s): provenance records the resume command only", hydra_yaml, e)
+    handler = logging.FileHandler(Path(cfg.resume) / "train.log")  # Hydra's job log, appended to
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    log.info("resuming %s from %s", cfg.resume, last_checkpoint(cfg.resume))
+    try:
+        return train(cfg)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
 
 
 def _share_config_with_ranks(cfg: DictConfig, trainer: pl.Trainer, out: Path) -> Path | None:
@@ -80,6 +164,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     A probe without trainable parameters (``probe=right_branching``) is scored without fitting, as with
     ``fit=false`` (logged): its validation and test scores, no checkpoint."""
     _standard_process_start()
+    check_types(cfg)  # wrong types in overrides: an error naming the key, before any work
     reset_peak_rss()
     set_mmap_threshold(cfg.get("malloc_mmap_threshold"))
     pl.seed_everything(cfg.seed, workers=True)
@@ -109,8 +194,16 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
     if fit and not model.trainable():
         log.info("%s has no trainable parameters: scored without fitting (as with fit=false)", cfg.probe._target_)
         fit = False
+    resume_from = cfg.get("resume")
+    if resume_from and not fit:
+        raise ValueError(f"resume={resume_from}: this run does not train (fit=false or no trainable parameters)")
     if fit:
-        trainer.fit(model, datamodule=datamodule)
+        if resume_from and not any(isinstance(c, LastCheckpoint) for c in trainer.callbacks):
+            raise ValueError(f"resume={resume_from}: the run's callbacks have no last_checkpoint "
+                             "(probes.training.callbacks.LastCheckpoint), so it cannot go on saving its state")
+        ckpt_path = str(last_checkpoint(resume_from)) if resume_from else None
+        # our own checkpoint (written by this run): the full state, not only tensors
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
         ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None
         metrics = _floats(trainer.callback_metrics)
     else:
@@ -126,6 +219,10 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
     metrics["sys/peak_rss_children_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     if trainer.world_size > 1:
         metrics["sys/world_size"] = float(trainer.world_size)
+    bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+    if bad:  # a run never ends as a result with NaN or infinite numbers
+        raise NonFiniteMetricsError(f"non-finite metrics {bad} (run folder {out}): no metrics.json written; "
+                                    f"all metrics: {json.dumps(metrics, sort_keys=True, default=str)}")
     if not trainer.is_global_zero:  # DDP: rank 0 writes the run's files (the metrics are synced)
         return metrics
     out.mkdir(parents=True, exist_ok=True)
@@ -134,6 +231,12 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
     inputs = dict(data_dir=str(cfg.paths.data_dir), cache_dir=str(cfg.paths.cache_dir))
     if hasattr(datamodule, "provenance"):
         inputs.update(datamodule.provenance())
+    precision = precision_record(cfg, trainer)
+    atomic_write_text(out / PRECISION_FILE, json.dumps(precision, indent=1, sort_keys=True, default=str))
+    if precision.get("extract", {}).get("precision"):
+        inputs["precision"] = precision["extract"]["precision"]
+    if cfg.get("resume"):
+        inputs["resumed_from"] = str(last_checkpoint(cfg.resume))
     write_provenance(out, inputs)
     rows = [[k, v] for k, v in sorted(metrics.items()) if isinstance(v, float)]
     for lg in loggers:
@@ -143,6 +246,18 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
     if loggers and hasattr(loggers[0], "experiment"):
         wandb.finish()
     return metrics
+
+
+def precision_record(cfg: DictConfig, trainer: pl.Trainer) -> dict:
+    """The run's ``precision.json``: the training Trainer's precision and, for a run on cached maps (a data node
+    with ``encoder`` and ``extract``), the extraction precision's decision and timings
+    (:func:`probes.extract.precision.record`; the encoder's config is read, not its weights)."""
+    out: dict = dict(trainer=str(trainer.precision))
+    data = cfg.get("data") or {}
+    if data.get("extract") is not None and data.get("encoder") is not None:
+        settings = ExtractSettings.from_config(data.extract)
+        out["extract"] = settings.precision_record(instantiate(data.encoder), cfg.paths.cache_dir)
+    return out
 
 
 def _floats(d) -> dict[str, float]:

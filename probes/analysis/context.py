@@ -35,9 +35,10 @@ import wandb
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from probes.config import CONF_DIR, compose
+from probes.config import CONF_DIR, check_types, compose
 from probes.data.sources import Treebank
 from probes.extract.run import ensure_cache
+from probes.extract.settings import ExtractSettings
 from probes.io import atomic_write
 from probes.measures import build, from_config
 from probes.model.load import Encoder
@@ -84,6 +85,7 @@ class AnalysisContext:
     def __init__(self, cfg: DictConfig, output_dir: str | os.PathLike, use_wandb: bool | None = None,
                  name: str | None = None, *, encoder: Encoder | None = None, treebank: Treebank | None = None,
                  figures: bool = True):
+        check_types(cfg)  # wrong types in overrides: an error naming the key, before any folder or file
         self.cfg = cfg
         self._name = name
         self.output_dir = Path(output_dir)
@@ -220,6 +222,21 @@ class AnalysisContext:
             return from_config(self.extract_cfg)
         return kind, build(kind, self.extract_cfg.get("measures"))
 
+    def precision_record(self) -> dict:
+        """Write ``<output_dir>/precision.json``: the extraction precision of ``extract`` (requested, resolved, how
+        it was decided and its timings; :func:`probes.extract.precision.record`, with the encoder the analysis
+        built, if any); returns it. Nothing is measured or loaded."""
+        try:
+            settings = ExtractSettings.from_config(self.extract_cfg)
+        except ValueError as e:  # a config without a full extract node (composed by hand)
+            record = dict(precision=None, decided_by=f"no extract settings ({e})")
+        else:
+            record = settings.precision_record(self.__dict__.get("encoder"), self.cache_dir)
+        path = self.output_dir / "precision.json"
+        text = json.dumps(record, indent=1, sort_keys=True, default=str)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+        return record
+
     def finish(self) -> None:
         """Close the wandb run, if one was started."""
         if self._wandb_run is not None:
@@ -351,14 +368,20 @@ def run_analysis(cfg: DictConfig, output_dir: str | os.PathLike, *, context: Ana
     Returns:
         The tables, figures and summary the analysis saved, and its return value.
     """
+    if context is None:
+        check_types(cfg)  # wrong types in overrides: an error naming the key, before any work
     seed_everything(int(cfg.get("seed", 0)))
     ctx = context if context is not None else AnalysisContext(cfg, output_dir, **context_args)
     fn = instantiate(cfg.analysis)
     try:
         value = fn(ctx)
         ctx.log_summary({"seconds": ctx.seconds(), "seed": int(cfg.get("seed", 0))})
-        write_provenance(ctx.output_dir, analysis_inputs(  # what it read: the treebank and encoder it built, if any
-            ctx.cfg, ctx.data_dir, ctx.cache_dir, ctx.__dict__.get("treebank"), ctx.__dict__.get("encoder")))
+        inputs = analysis_inputs(  # what it read: the treebank and encoder it built, if any
+            ctx.cfg, ctx.data_dir, ctx.cache_dir, ctx.__dict__.get("treebank"), ctx.__dict__.get("encoder"))
+        precision = ctx.precision_record()
+        if precision.get("precision"):
+            inputs["precision"] = precision["precision"]
+        write_provenance(ctx.output_dir, inputs)
         return AnalysisResult(ctx.name, ctx.output_dir, dict(ctx.tables), dict(ctx.figures), dict(ctx._summary), value)
     finally:
         ctx.finish()

@@ -13,18 +13,32 @@ given the encoder's config, builds the missing ones in a child interpreter (``py
 probes.extract.runner``: it loads the weights, resolves ``precision=auto``, writes the entries and exits), so
 the calling process (a training job) never holds the encoder's weights or the extraction's buffers. Kinds and
 sources are plain picklable objects: the child receives them as they are, nothing is chosen by name.
+
+The child dies with its parent: on Linux the kernel sends it SIGTERM when the parent dies (``prctl``
+``PR_SET_PDEATHSIG``), elsewhere a watchdog thread polls the parent's pid; either way it removes the request's
+temporary folder (``$TMPDIR/probes-extract-<parent pid>-*``) before exiting. The parent removes that folder on
+every exit path it lives through (result, error, SIGTERM/SIGHUP, Ctrl-C: the child is stopped first), and folders
+left by a parent killed outright (``kill -9``) whose pid is gone are removed at the next spawn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
+from collections.abc import Iterator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,33 +214,124 @@ def _plain(node: DictConfig | Mapping) -> dict:
     return OmegaConf.to_container(node if isinstance(node, DictConfig) else OmegaConf.create(dict(node)), resolve=True)
 
 
+TMP_PREFIX = "probes-extract-"  # + <parent pid>-<random>: the request folder of one child
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clean_stale(root: str | Path | None = None) -> list[Path]:
+    """Remove the request folders (``<root>/probes-extract-<pid>-*``, root: the temporary folder) of parents
+    that are gone (killed outright); returns them."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
+        pid = d.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if d.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            log.info("removed %s, left by extraction parent %s that is gone", d, pid)
+    return removed
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """In the main thread: SIGTERM and SIGHUP raise SystemExit while the block runs (so ``finally`` clauses
+    stop the child and remove the temporary folder); the previous handlers are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def _spawn(encoder_cfg: DictConfig | Mapping, kind: CacheKind, sources: list, settings: ExtractSettings,
            cache_dir: str | Path) -> list[Path]:
     """Run :func:`_child` in a fresh interpreter (``python -m probes.extract.runner``: nothing of this
-    process, not even its ``__main__``, is re-imported); the entries' paths, or its error raised here."""
+    process, not even its ``__main__``, is re-imported); the entries' paths, or its error raised here. The
+    request folder is removed and the child stopped on every way out of here (see the module doc)."""
     req = dict(encoder_cfg=_plain(encoder_cfg), kind=kind, sources=list(sources), settings=settings,
                cache_dir=str(cache_dir), log_level=logging.getLogger().getEffectiveLevel())
     root = str(Path(__file__).resolve().parents[2])  # the folder holding the `probes` package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     splits = [s.split for s in sources if isinstance(s, TreebankSplit)]  # the entries' rebuild command (manifest)
     env[C.COMMAND_ENV] = C.build_command(dict(split=",".join(splits) if splits else None))
-    with tempfile.TemporaryDirectory(prefix=f"probes-{kind.folder}-") as tmp:
-        payload, result = Path(tmp) / "request.pkl", Path(tmp) / "result.json"
+    clean_stale()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
+    proc, res = None, {}
+    try:
+        payload, result = tmp / "request.pkl", tmp / "result.json"
         payload.write_bytes(pickle.dumps(req))
         log.info("extracting %s of %s in a child process (the encoder is loaded there, not here)", kind.what,
                  ", ".join(s.label for s in sources))
-        rc = subprocess.run([sys.executable, "-m", "probes.extract.runner", str(payload), str(result)],
-                            env=env).returncode
+        with _signals_raise():
+            proc = subprocess.Popen([sys.executable, "-m", "probes.extract.runner", str(payload), str(result),
+                                     str(os.getpid())], env=env)
+            rc = proc.wait()
         res = json.loads(result.read_text()) if result.exists() else {}
+    finally:
+        if proc is not None and proc.poll() is None:  # leaving on an exception or a signal: stop the child
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
     if rc == 0 and "paths" in res:
         return [Path(p) for p in res["paths"]]
     raise RuntimeError(f"{kind.what} extraction in the child process failed (exit code {rc}): "
                        f"{res.get('error', 'no result written (killed?)')}\n{res.get('traceback', '')}")
 
 
-def _child(payload: str, result: str) -> None:
-    """Child process (``python -m probes.extract.runner PAYLOAD RESULT``): build the entries of the pickled
-    request; write ``{"paths": [...]}`` (or ``{"error", "traceback"}``) to ``result``."""
+def die_with_parent(parent: int, on_death: Callable[[], None], poll_s: float = 1.0) -> str:
+    """Make this process end when ``parent`` (pid) dies: SIGTERM from the kernel (Linux ``prctl``
+    ``PR_SET_PDEATHSIG``), else a daemon thread that polls the parent pid every ``poll_s`` s and sends SIGTERM
+    to this process; SIGTERM runs ``on_death`` (when the parent is gone) and exits. Already orphaned: exit now.
+    Returns the mechanism (``prctl`` or ``watchdog``)."""
+    def terminated(signum, frame):
+        if os.getppid() != parent:
+            on_death()
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, terminated)
+    how = "watchdog"
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
+                how = "prctl"
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        on_death()
+        raise SystemExit(1)
+    if how == "watchdog":
+        def watch():
+            while os.getppid() == parent and _alive(parent):
+                time.sleep(poll_s)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+    return how
+
+
+def _child(payload: str, result: str, parent: int | None = None) -> None:
+    """Child process (``python -m probes.extract.runner PAYLOAD RESULT [PARENT_PID]``): build the entries of the
+    pickled request; write ``{"paths": [...]}`` (or ``{"error", "traceback"}``) to ``result``. It dies with
+    ``parent``, removing the request folder (the payload's folder) when the parent is gone."""
+    if parent is not None:
+        die_with_parent(parent, lambda: shutil.rmtree(Path(payload).parent, ignore_errors=True))
     req = pickle.loads(Path(payload).read_bytes())
     logging.basicConfig(level=req["log_level"], format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
@@ -234,9 +339,11 @@ def _child(payload: str, result: str) -> None:
         paths = [str(build(encoder, req["kind"], s, req["settings"], req["cache_dir"]).path) for s in req["sources"]]
         atomic_write_text(result, json.dumps(dict(paths=paths)))
     except BaseException as e:
-        atomic_write_text(result, json.dumps(dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())))
+        if Path(result).parent.is_dir():
+            atomic_write_text(result, json.dumps(dict(error=f"{type(e).__name__}: {e}",
+                                                      traceback=traceback.format_exc())))
         raise
 
 
 if __name__ == "__main__":  # the child of :func:`ensure`
-    _child(sys.argv[1], sys.argv[2])
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)

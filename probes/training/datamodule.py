@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +48,10 @@ class TreebankSplit:
 class LengthBatchSampler(BatchSampler):
     """Batches of similar length under a (batch_size, pairs) budget; shuffled per epoch when training.
 
+    The order of epoch e is drawn from ``seed + e``, e the trainer's epoch (``epoch_of()``; without one, the
+    number of times it was iterated), so a run resumed from a checkpoint sees the batches of the run left alone;
+    ``len()`` draws nothing.
+
     Under DDP Lightning re-creates it with its ``DistributedSampler`` as ``sampler`` (a ``BatchSampler``
     subclass built in a ``*_dataloader`` hook); rank r of R then keeps batches r, r + R, ... of the same
     global order: training pads the order by repeating its first batches so that every rank takes the same
@@ -54,13 +59,18 @@ class LengthBatchSampler(BatchSampler):
     """
 
     def __init__(self, lengths: list[int], batch_size: int, max_pairs: int, shuffle: bool, seed: int = 0,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, epoch_of: Callable[[], int | None] | None = None):
         self.lengths, self.batch_size, self.max_pairs, self.shuffle, self.seed = lengths, batch_size, max_pairs, shuffle, seed
-        self.sampler, self.drop_last = sampler, False
-        self.epoch = 0
+        self.sampler, self.drop_last, self.epoch_of = sampler, False, epoch_of
+        self.epoch = 0  # iterations so far (the epoch when epoch_of gives none)
 
-    def _batches(self) -> list[list[int]]:
-        rng = random.Random(self.seed + self.epoch)
+    def current_epoch(self) -> int:
+        """The epoch whose order is drawn: ``epoch_of()``, else the iterations so far."""
+        e = self.epoch_of() if self.epoch_of is not None else None
+        return self.epoch if e is None else int(e)
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        rng = random.Random(self.seed + epoch)
         order = sorted(range(len(self.lengths)), key=lambda k: (self.lengths[k], rng.random() if self.shuffle else k))
         batches, cur = [], []
         for k in order:
@@ -72,7 +82,6 @@ class LengthBatchSampler(BatchSampler):
         batches += [cur] if cur else []
         if self.shuffle:
             rng.shuffle(batches)
-            self.epoch += 1
         if isinstance(self.sampler, DistributedSampler) and self.sampler.num_replicas > 1:
             rank, world = self.sampler.rank, self.sampler.num_replicas
             if self.shuffle:  # training: the same number of steps on every rank
@@ -81,10 +90,12 @@ class LengthBatchSampler(BatchSampler):
         return batches
 
     def __iter__(self):
-        return iter(self._batches())
+        batches = self._batches(self.current_epoch())
+        self.epoch += 1
+        return iter(batches)
 
     def __len__(self) -> int:
-        return len(self._batches())
+        return len(self._batches(self.current_epoch()))
 
 
 class TreebankDataModule(pl.LightningDataModule):
@@ -107,8 +118,8 @@ class TreebankDataModule(pl.LightningDataModule):
     vectors: torch.Tensor | None = None  # (V + 1, d) word-vector rows that batch["glove"] indexes; None: no table
 
     def __init__(self, name: str, treebank: DictConfig, encoder: DictConfig, extract: DictConfig, cache_dir: str,
-                 splits: DictConfig, max_sentences: DictConfig, batch_size: int, max_pairs: int, num_workers: int,
-                 seed: int, extract_in_child: bool):
+                 splits: Mapping[str, str], max_sentences: Mapping[str, int | None] | None, batch_size: int,
+                 max_pairs: int, num_workers: int, seed: int, extract_in_child: bool):
         super().__init__()
         self.name, self.cache_dir = name, cache_dir
         self.treebank = instantiate(treebank)
@@ -190,9 +201,15 @@ class TreebankDataModule(pl.LightningDataModule):
     def _loader(self, stage: str, shuffle: bool) -> DataLoader:
         ds = self.dataset(stage)
         sampler = LengthBatchSampler([ds.length(k) for k in range(len(ds))], self.batch_size, self.max_pairs,
-                                     shuffle, self.seed)
+                                     shuffle, self.seed, epoch_of=self._trainer_epoch)
         return DataLoader(ds, batch_sampler=sampler, collate_fn=self.collate, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
+
+    def _trainer_epoch(self) -> int | None:
+        """The epoch whose training order is drawn (None outside a Trainer): the fit loop's processed epochs,
+        the count Lightning gives samplers (``set_epoch``); unlike ``current_epoch`` it is already right when a
+        run resumed from an end-of-epoch checkpoint makes its first iterator."""
+        return None if self.trainer is None else self.trainer.fit_loop.epoch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
@@ -215,6 +232,14 @@ class TreebankDataModule(pl.LightningDataModule):
         caches = {stage: dict(path=str(d.cache.path), key=d.cache.manifest.get("key"))
                   for stage, d in self.data.items()}
         return dict(dataset=self.name, data_files=files, cache_dir=str(self.cache_dir), caches=caches)
+
+    def source(self, stage: str) -> str:
+        """Where ``stage``'s inputs are read from (error messages): its cache entry and the command that rebuilds it."""
+        d = self.data.get(stage)
+        if d is None:
+            return f"stage {stage} (not loaded)"
+        command = d.cache.manifest.get("command")
+        return f"cache entry {d.cache.path}" + (f" (rebuilt by: rm -r {d.cache.path}; {command})" if command else "")
 
     def sentences(self, stage: str) -> list[Sentence]:
         """The full sentences of ``stage`` (kept for the stages in ``keep_sentences`` only)."""

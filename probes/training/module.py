@@ -18,8 +18,12 @@ One convention for all of them:
   updated by the subclass's :meth:`ProbeModule.step`, logged as ``<split>/<name>`` at the end of each epoch;
   the loss as ``<split>/loss`` (train: also per step, ``train/loss_step``), averaged over the items the
   subclass names (words, sentences, examples, maps).
-- **Sanity guard**: a NaN or infinite loss raises :class:`NonFiniteLossError` naming the split, epoch,
-  batch and its items.
+- **Sanity guard**: a NaN or infinite value in a batch's floating-point inputs (e.g. a damaged cached map)
+  raises :class:`NonFiniteInputError` naming the split, epoch, batch, the sentences (items) holding it and the
+  data they came from (the datamodule's ``source(stage)``: the cache entry); a NaN or infinite loss raises
+  :class:`NonFiniteLossError` naming the split, epoch, batch and its items.
+- **Resume**: a checkpoint also holds the tracked best and the random generators' states
+  (:meth:`ProbeModule.on_save_checkpoint`), restored when ``python train.py resume=<run folder>`` loads it.
 - **Models without parameters**: :meth:`ProbeModule.build` creates whatever needs sizes from the data, so
   :meth:`ProbeModule.trainable` can tell before fitting whether there is anything to train (``probes.train``
   scores a parameter-free probe without fitting).
@@ -27,9 +31,11 @@ One convention for all of them:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torchmetrics import MaxMetric, Metric, MetricCollection, MinMetric
@@ -40,6 +46,11 @@ BEST = {"max": MaxMetric, "min": MinMetric}  # probe.mode -> the aggregator of t
 
 class NonFiniteLossError(FloatingPointError):
     """A batch gave a NaN or infinite loss (the message names the split, epoch, batch and its items)."""
+
+
+class NonFiniteInputError(FloatingPointError):
+    """A batch's inputs hold a NaN or infinite value (the message names the split, epoch, batch, the items
+    holding it and the data they were read from, e.g. the cache entry)."""
 
 
 class ProbeModule(pl.LightningModule):
@@ -108,7 +119,34 @@ class ProbeModule(pl.LightningModule):
             raise NonFiniteLossError(f"{type(self).__name__}: {split} loss is {loss.detach().cpu().tolist()} in "
                                      f"epoch {self.current_epoch}, batch {batch_idx}" + (f" ({what})" if what else ""))
 
+    def check_batch(self, batch: Any, batch_idx: int, split: str) -> None:
+        """Raise :class:`NonFiniteInputError` when a floating-point tensor of ``batch`` (a mapping) holds a NaN or
+        infinite value, naming the rows holding it (their ``index`` in the split, where the batch has one),
+        :meth:`describe_batch` and the datamodule's ``source(stage)`` (where the stage's data was read)."""
+        if not isinstance(batch, Mapping):
+            return
+        for name, value in batch.items():
+            if not (torch.is_tensor(value) and value.is_floating_point()):
+                continue
+            # one pass without a mask: a sum is finite unless a value is not (or it overflows: checked below)
+            if bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()):
+                continue
+            bad = ~torch.isfinite(value.detach())
+            rows = bad.flatten(1).any(1).nonzero().flatten() if value.dim() > 1 else bad.nonzero().flatten()
+            index = batch.get("index")
+            items = (index[rows.to(index.device)].tolist() if torch.is_tensor(index) and index.dim() == 1
+                     and len(index) == len(value) else rows.tolist())
+            stage = {"val": "val", "test": "test"}.get(split, "train")
+            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            source = dm.source(stage) if hasattr(dm, "source") else "unknown"
+            what = self.describe_batch(batch)
+            raise NonFiniteInputError(
+                f"{type(self).__name__}: {split} batch {batch_idx} of epoch {self.current_epoch}: "
+                f"{int(bad.sum())} non-finite values (NaN/inf) in '{name}' of items {items}"
+                + (f" ({what})" if what else "") + f", read from {source}: the data is damaged, rebuild it")
+
     def _run_step(self, batch: Any, batch_idx: int, split: str) -> tuple[torch.Tensor, Any]:
+        self.check_batch(batch, batch_idx, split)
         loss, items, output = self.step(batch, split)
         self.check_loss(loss, batch, batch_idx, split)
         self.log(f"{split}/loss", loss, on_step=split == "train", on_epoch=True, prog_bar=True, batch_size=items,
@@ -149,6 +187,35 @@ class ProbeModule(pl.LightningModule):
     def on_test_epoch_end(self) -> None:
         self.log_metrics("test")
 
+    # ------------------------------------------------------------------ resume
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep what a resumed run needs besides the weights: the tracked best (a torchmetrics state, not in
+        the state dict) and the random generators' states (dropout, shuffling of the next epoch)."""
+        checkpoint["probes"] = dict(
+            val_best={k: getattr(self.val_best, k).detach().cpu().clone() for k in self.val_best._defaults},
+            val_best_updates=int(self.val_best._update_count),
+            rng=dict(torch=torch.get_rng_state(), numpy=_numpy_state(), python=random.getstate(),
+                     cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore what :meth:`on_save_checkpoint` kept (checkpoints without it: nothing to restore)."""
+        state = checkpoint.get("probes")
+        if not state:
+            return
+        for k, v in state["val_best"].items():
+            setattr(self.val_best, k, v.to(getattr(self.val_best, k).device))
+        self.val_best._update_count = state["val_best_updates"]
+        self.val_best._computed = None
+        # the generators as they were at the end of that epoch: a loader made next draws its shuffling seed from
+        # them as in the run left alone (loader workers started before it, in a sanity check, would draw first)
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
     # ------------------------------------------------------------------ optimisation
     def param_groups(self) -> list[dict] | list[torch.nn.Parameter]:
         """What the optimizer trains: by default every parameter that requires a gradient."""
@@ -170,3 +237,9 @@ class ProbeModule(pl.LightningModule):
         scheduler = self.scheduler_factory(optimizer=optimizer, **self.scheduler_arguments())
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval,
                                                          "monitor": self.scheduler_monitor}}
+
+
+def _numpy_state() -> tuple:
+    """numpy's global generator state as types a ``weights_only`` checkpoint load accepts (a tensor, not an array)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
