@@ -56,6 +56,15 @@ def test_right_types_in_other_spellings_pass():
                                   "extract.precision_margin=2", "trainer.devices=[0]", "trainer.max_epochs=null"]))
 
 
+@pytest.mark.parametrize("analysis", ["linguistic_attention", "pattern_types"])
+def test_documented_list_and_mapping_values_pass(analysis):
+    """The values the analysis configs document (a list of tasks, a {task: path} mapping) are not type errors."""
+    check_types(compose("analyze", [f"analysis={analysis}", "analysis.task=[rte,mrpc]",
+                                    "analysis.checkpoint={rte: a, mrpc: b}"]))
+    with pytest.raises(ConfigTypeError, match="analysis.task"):
+        check_types(compose("analyze", [f"analysis={analysis}", "analysis.task=3"]))
+
+
 def test_training_stops_before_any_cache_is_built(chain_data, tmp_path):
     cfg = compose_train(chain_overrides(chain_data, tmp_path) + ["data.max_sentences.train=five"])
     with pytest.raises(ConfigTypeError, match=r"data\.max_sentences\.train: expected int or null, got 'five'"):

@@ -434,7 +434,8 @@ def test_crossval_with_inner_validation_keeps_the_best_epoch(tmp_path):
     for row in per_fold.to_dict("records"):   # per-fold accuracy recomputed from the predictions
         g = pred[pred.fold == row["fold"]]
         assert row["accuracy"] == pytest.approx((g.gold == g.predicted).mean())
-        ckpt = list((out / f"fold_0_{row['fold']}" / "checkpoints").glob("*.ckpt"))   # the kept epoch's
+        ckpt = [p for p in (out / f"fold_0_{row['fold']}" / "checkpoints").glob("*.ckpt")   # the kept epoch's
+                if p.name != "last.ckpt"]                                                  # (besides resume's)
         assert len(ckpt) == 1 and ckpt[0].name == f"final-{row['epoch']}.ckpt"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["only_folds"] == [0, 2] and summary["n_maps"] == 20

@@ -482,7 +482,7 @@ def _run_one(ctx, items, model, tok, features, relations, piece_pooling, missing
     return acc, racc
 
 
-def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task="mrpc",
+def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task: str | list[str] = "mrpc",
                          max_examples: int | None = 1000, min_length: int = 0, max_length: int | None = None,
                          feature_set: str = "kovaleva", feature_sets: Mapping | None = None, features=None,
                          piece_pooling: str = "max", missing: str = "zero", missing_by_feature: Mapping | None = None,

@@ -276,7 +276,7 @@ def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
     return fig
 
 
-def pattern_types(ctx, *, classifier=None, checkpoint=None, task="mrpc", split: str = "dev",
+def pattern_types(ctx, *, classifier=None, checkpoint=None, task: str | list[str] = "mrpc", split: str = "dev",
                   max_examples: int | None = 1000, min_length: int = 12, max_length: int | None = 64,
                   max_tokens: int = 4096, confusion=None, min_support: int = 5, n_boot: int = 1000,
                   seed: int = 0, cache=None, encoder=None) -> pd.DataFrame:
