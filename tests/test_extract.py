@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from probes.analysis.clark import coref_heads, dep_heads
 from probes.analysis.clark.coref_heads import coref_source
 from probes.data.sources import Treebank
 from probes.extract import precision as P
@@ -368,3 +369,44 @@ def test_cache_keys_are_those_of_existing_caches(tmp_path):
     assert entry_dir("/c", cache_key(enc, dev, AttentionMaps(), s, "32-true")).name == name(AttentionMaps(), dev, s)
     with pytest.raises(ValueError, match="long_sentences=error"):
         name(AttentionMaps(), coref, s)  # word lists are keyed without the policy: only 'error' is allowed
+
+
+def test_selected_layers_equal_those_of_the_full_cache_under_their_own_key(tmp_path):
+    """``extract.layers``: the entry stores the chosen layers in the chosen order, equal to the same layers of
+    an all-layer entry (a separate extraction); the all-layer key is unchanged, a subset gets its own; the
+    analyses name heads by their real layer; a bad index fails before any work, naming the key."""
+    (tmp_path / "pin").mkdir()
+    (tmp_path / "pin" / "pin-dev.conllu").write_text(PIN_CONLLU)
+    tb = Treebank(name="pin", data_dir=str(tmp_path), subdir="pin", files={"dev": "pin-dev.conllu"}, download=False)
+    cfg = compose_train(["encoder=tiny", "extract.precision=32-true", "extract.trainer.accelerator=cpu"])
+    enc = instantiate(cfg.encoder)
+    s = ExtractSettings.from_config(cfg.extract)
+    assert enc.num_layers >= 2
+    every = list(range(enc.num_layers))
+    assert s.layers is None and s.layer_key(enc) == {} and s.replace(layers=every).layer_key(enc) == {}
+    dev = TreebankSplit(tb, "dev", None)
+    full, sents = ensure_cache(enc, tb, "dev", s, tmp_path / "c")
+    sub, _ = ensure_cache(enc, tb, "dev", s.replace(layers=[1, 0]), tmp_path / "c")
+    assert full.path != sub.path and full.layers == every and sub.layers == [1, 0]
+    assert sub.num_layers == 2 and sub.num_heads == full.num_heads
+    assert entry_path(enc, AttentionMaps(), dev, s.replace(layers=every), tmp_path / "c", "32-true") == full.path
+    for i in range(len(full)):
+        np.testing.assert_array_equal(sub[i], full[i][[1, 0]])
+    # dep_heads and coref_heads tables name heads by the model's layer, not the position in the entry
+    acc = dep_heads.evaluate(sub, sents, sub.num_layers, sub.num_heads, progress=False)
+    dep, _, table = dep_heads.tables(acc, min_count=1, layers=sub.layers)
+    assert set(dep.layer) == {0, 1}
+    full_dep, _, _ = dep_heads.tables(dep_heads.evaluate(full, sents, full.num_layers, full.num_heads, progress=False),
+                                      min_count=1, layers=full.layers)
+    key = ["relation", "layer", "head", "direction"]
+    merged = dep.merge(full_dep, on=key, suffixes=("", "_full"))
+    assert len(merged) == len(dep) and np.allclose(merged.accuracy, merged.accuracy_full)
+    assert (table.name == [f"{l + 1}-{h + 1}" for l, h in zip(table.layer, table["head"])]).all()
+    one, _ = ensure_cache(enc, tb, "dev", s.replace(layers=[1]), tmp_path / "c")
+    _, _, table1 = dep_heads.tables(dep_heads.evaluate(one, sents, 1, one.num_heads, progress=False), 1, one.layers)
+    assert set(table1.layer) == {1} and table1.name.str.startswith("2-").all()
+    heads, ctable = coref_heads.tables(coref_heads.CorefAccumulator(1, one.num_heads), one.layers)
+    assert set(heads.layer) == {1} and ctable.name.dropna().str.startswith("2-").all()
+    for bad in ([enc.num_layers], [0, 0], [-1], []):
+        with pytest.raises(ValueError, match=r"extract\.layers"):
+            ensure_cache(enc, tb, "dev", s.replace(layers=bad), tmp_path / "c")

@@ -324,8 +324,10 @@ class AttentionCache:
         verify(self.path, self.manifest)
         if self.manifest["format_version"] != FORMAT_VERSION:
             raise ValueError(f"{manifest}: cache format {self.manifest['format_version']}, expected {FORMAT_VERSION}")
-        self.num_layers = self.manifest["num_layers"]
+        self.num_layers = self.manifest["num_layers"]  # L of the stored maps: len(layers)
         self.num_heads = self.manifest["num_heads"]
+        # the model's 0-based layer of each stored one (entries of every layer predate the field)
+        self.layers: list[int] = list(self.manifest.get("layers") or range(self.num_layers))
         n = self.manifest["n_sentences"]
         self._where = np.full((n, 3), -1, dtype=np.int64)  # (N, 3): shard, offset, side
         for s, shard in enumerate(self.manifest["shards"]):

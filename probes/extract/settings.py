@@ -33,6 +33,7 @@ class ExtractSettings:
     to_words: str  # attention TO a split word
     max_length: int | None  # wordpieces incl. specials; None: the encoder's usable length
     long_sentences: str  # skip | error
+    layers: list[int] | None  # 0-based layers to extract (None: all); part of the key when set
     precision: str  # a Lightning precision, or auto (measured, :mod:`probes.extract.precision`)
     precision_margin: float  # auto: the speed-up over 32-true another precision needs to be chosen
     maps: str  # the map kind, one of ``measures``
@@ -87,6 +88,26 @@ class ExtractSettings:
     def max_length_for(self, encoder) -> int:
         """``max_length``, or the encoder's usable length when it is None (the value in the cache key)."""
         return self.max_length or encoder.max_length
+
+    def layers_for(self, encoder) -> list[int]:
+        """The 0-based layers to extract from ``encoder`` (all when ``layers`` is None), checked: an error
+        naming ``extract.layers`` for an index outside the model or a repeated one."""
+        L = int(encoder.num_layers)
+        if self.layers is None:
+            return list(range(L))
+        layers = [int(l) for l in self.layers]
+        bad = [l for l in layers if not 0 <= l < L]
+        if bad or not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"extract.layers={list(self.layers)}: expected distinct 0-based layers of "
+                             f"{encoder.name} in 0..{L - 1} (it has {L} layers; null = all)"
+                             + (f"; out of range: {bad}" if bad else ""))
+        return layers
+
+    def layer_key(self, encoder) -> dict:
+        """The layers' part of a cache key: ``{}`` for all layers (the key as before this option existed),
+        else ``{"layers": [...]}``."""
+        layers = self.layers_for(encoder)
+        return {} if layers == list(range(int(encoder.num_layers))) else {"layers": layers}
 
     def map_key(self) -> dict:
         """The map kind's part of a cache key: ``{}`` for attention (the key it had before map kinds existed),

@@ -12,7 +12,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -125,10 +125,13 @@ class AttentionExtractor(pl.LightningModule):
     map depends on, are never computed).
     """
 
-    def __init__(self, model: torch.nn.Module, num_layers: int | None = None, measure=None):
+    def __init__(self, model: torch.nn.Module, num_layers: int | None = None, measure=None,
+                 layers: Sequence[int] | None = None):
         super().__init__()
         self.model = model
-        self.layers = list(range(num_layers if num_layers is not None else int(model.config.num_hidden_layers)))
+        # 0-based layers captured, in this order: ``layers``, else the first ``num_layers`` (None: all)
+        self.layers = list(layers) if layers is not None else list(
+            range(num_layers if num_layers is not None else int(model.config.num_hidden_layers)))
         self.measure = measure  # a probes.measures.Measure (extract.maps); None: attention probabilities
 
     def attention_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
@@ -148,6 +151,7 @@ class AttentionExtractor(pl.LightningModule):
             probs = self.attention_probs(batch["input_ids"], batch["attention_mask"])
         else:  # L x (B, H', T, T) piece-level maps of the configured kind
             probs = self.measure(self.model, batch["input_ids"], batch["attention_mask"])
+            probs = [probs[l] for l in self.layers]  # a measure covers every layer (rollout needs them all)
         with torch.autocast(probs[0].device.type, enabled=False):
             return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype)
 
@@ -330,16 +334,19 @@ def _extract(
     encoded: list[Encoded] | None = None,
     maps: str = "attention",
     measures: dict | None = None,
+    layers: Sequence[int] | None = None,
 ) -> C.AttentionCache:
     """Write (or reuse) the cache entry for `key`; `trainer` is a partial Trainer constructor.
 
     ``encoded``: the sentences already through :func:`encode_words` (saves tokenizing twice).
-    ``maps``: the map kind, built from ``measures[maps]`` (:mod:`probes.measures`)."""
+    ``maps``: the map kind, built from ``measures[maps]`` (:mod:`probes.measures`).
+    ``layers``: the 0-based layers stored, in order (None: all); the manifest lists them."""
     final_dir = C.entry_dir(cache_dir, key)
     if (final_dir / "manifest.json").exists():
         log.info("attention cache hit: %s", final_dir)
         return C.AttentionCache(final_dir)
     measure = build(maps, measures)
+    layers = list(range(encoder.num_layers)) if layers is None else [int(l) for l in layers]
     max_length = min(max_length or encoder.max_length, measure.max_pieces or encoder.max_length)
     encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
     keep, too_long = select(encoded, max_length, long_sentences)
@@ -349,9 +356,9 @@ def _extract(
     pad_id = encoder.tokenizer.pad_token_id
     data = SentenceBatches(kept, keep, batches, from_words, to_words, 0 if pad_id is None else pad_id)
     manifest = dict(format_version=C.FORMAT_VERSION, key=key, n_sentences=len(sentences), skipped=too_long,
-                    num_layers=encoder.num_layers, num_heads=measure.heads(encoder.num_heads), maps=maps,
+                    num_layers=len(layers), layers=layers, num_heads=measure.heads(encoder.num_heads), maps=maps,
                     n_pieces=int(sum(e.n_pieces for e in kept)), dtype="float16",
-                    layout="(L, H, W, W), W = words + 2: [CLS], words, [SEP]; rows attend to columns "
+                    layout="(L, H, W, W), L = len(layers), W = words + 2: [CLS], words, [SEP]; rows attend to columns "
                            "(H = 1 for per-layer map kinds)")
     writer = CacheWriter(final_dir, manifest)
     t = trainer(callbacks=[writer])
@@ -362,7 +369,7 @@ def _extract(
     # attention: linear weights cast once to a mixed precision's compute dtype (bit-identical); other map kinds
     # read weights themselves, so they keep them as loaded
     with linears_in(encoder.model, str(t.precision) if maps == "attention" else "32-true"):
-        t.predict(AttentionExtractor(encoder.model, encoder.num_layers, None if maps == "attention" else measure),
+        t.predict(AttentionExtractor(encoder.model, measure=None if maps == "attention" else measure, layers=layers),
                   loader, return_predictions=False)
     return C.AttentionCache(final_dir)
 
@@ -376,8 +383,9 @@ class AttentionMaps:
     what = "attention"
 
     def key_fields(self, encoder: Encoder, settings) -> dict:
-        """Pooling and, for map kinds other than attention, the kind and its options."""
-        return dict(from_words=settings.from_words, to_words=settings.to_words, **settings.map_key())
+        """Pooling, the layers when not all, and, for map kinds other than attention, the kind and its options."""
+        return dict(from_words=settings.from_words, to_words=settings.to_words, **settings.layer_key(encoder),
+                    **settings.map_key())
 
     def build(self, encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
               trainer: Callable[..., pl.Trainer], settings) -> C.AttentionCache:
@@ -385,7 +393,7 @@ class AttentionMaps:
         return extract(encoder, sentences, key, cache_dir, trainer, from_words=settings.from_words,
                        to_words=settings.to_words, max_length=settings.max_length,
                        long_sentences=settings.long_sentences, maps=settings.maps, measures=settings.measures,
-                       **settings.batching())
+                       layers=settings.layers_for(encoder), **settings.batching())
 
     def open(self, path: str | Path) -> C.AttentionCache:
         """The complete entry at ``path``."""

@@ -258,19 +258,22 @@ class CorefAccumulator:
         return self.base[group][baseline] / max(1, self.count[group])
 
 
-def tables(acc: CorefAccumulator) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(coref_heads, coref_table)."""
+def tables(acc: CorefAccumulator, layers=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(coref_heads, coref_table); ``layers``: the model's layer of each of the accumulator's (a cache's
+    ``layers``; None: 0..L-1)."""
+    layer_of = list(layers) if layers is not None else list(range(acc.L))
     rows = []
     for g in GROUPS:
         a = acc.head_accuracy(g)
         for l in range(acc.L):
             for h in range(acc.H):
-                rows.append((l, h, g, float(a[l, h]), acc.count[g]))
+                rows.append((layer_of[l], h, g, float(a[l, h]), acc.count[g]))
     heads = pd.DataFrame(rows, columns=["layer", "head", "mention_type", "accuracy", "count"])
     trows = []
 
     def row(method, l, h):
-        r = dict(method=method, layer=l, head=h, name=None if l is None else head_name(l, h))
+        r = dict(method=method, layer=None if l is None else layer_of[l], head=h,
+                 name=None if l is None else head_name(layer_of[l], h))
         for g in GROUPS:
             r[g] = float(acc.head_accuracy(g)[l, h]) if l is not None else acc.baseline_accuracy(g, method)
         return r
@@ -392,7 +395,7 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
         items = segment_items(docs[g.doc], g, i)
         if items:
             acc.add(np.asarray(cache[i], dtype=np.float32), items)
-    heads, table = tables(acc)
+    heads, table = tables(acc, cache.layers)
     ctx.save_table(heads, "coref_heads")
     ctx.save_table(table, "coref_table")
     ctx.save_table(pd.DataFrame(acc.rows), "coref_mentions")

@@ -129,8 +129,10 @@ def evaluate(cache, sentences, num_layers: int, num_heads: int, offsets=(-3, -2,
     return acc
 
 
-def tables(acc: DepAccumulator, min_count: int = 100) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(dep_heads, dep_offsets, dep_table) data frames; relations with >= min_count examples + all."""
+def tables(acc: DepAccumulator, min_count: int = 100, layers=None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(dep_heads, dep_offsets, dep_table) data frames; relations with >= min_count examples + all.
+    ``layers``: the model's layer of each of the accumulator's (a cache's ``layers``; None: 0..L-1)."""
+    layer_of = list(layers) if layers is not None else list(range(acc.L))
     rels = ["all"] + sorted(r for r, c in acc.count.items() if r != "all" and c >= min_count)
     rows, orows, trows = [], [], []
     for r in rels:
@@ -139,13 +141,13 @@ def tables(acc: DepAccumulator, min_count: int = 100) -> tuple[pd.DataFrame, pd.
         for d, direction in enumerate(DIRECTIONS):
             for l in range(acc.L):
                 for h in range(acc.H):
-                    rows.append((r, l, h, direction, float(acc_h[d, l, h]), c))
+                    rows.append((r, layer_of[l], h, direction, float(acc_h[d, l, h]), c))
         acc_o = acc.offset_accuracy(r)
         for o, a in zip(acc.offsets, acc_o):
             orows.append((r, o, float(a), c))
         d, l, h = np.unravel_index(int(np.argmax(acc_h)), acc_h.shape)
         bo = int(np.argmax(acc_o))
-        trows.append(dict(relation=r, count=c, layer=int(l), head=int(h), name=head_name(l, h),
+        trows.append(dict(relation=r, count=c, layer=layer_of[l], head=int(h), name=head_name(layer_of[l], h),
                           direction=DIRECTIONS[d], accuracy=float(acc_h[d, l, h]),
                           best_offset=int(acc.offsets[bo]), offset_accuracy=float(acc_o[bo]),
                           difference=float(acc_h[d, l, h] - acc_o[bo]),
@@ -182,7 +184,7 @@ def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_
     causal = is_causal(ctx.encoder)
     acc = evaluate(cache, sentences, cache.num_layers, cache.num_heads, list(offsets), list(exclude),
                    list(poss_relations), strip_subtypes, causal=causal)
-    dep, off, table = tables(acc, min_count)
+    dep, off, table = tables(acc, min_count, cache.layers)
     ctx.save_table(dep, "dep_heads")
     ctx.save_table(off, "dep_offsets")
     ctx.save_table(table, "dep_table")
