@@ -268,6 +268,21 @@ def ref_decoder_decomposition(ref, att, hs, l):
     return norm, S.norm(dim=-1), c
 
 
+def forward_with_hooks(ref, ids, hooks) -> None:
+    """One no-grad forward of ``ids`` (T,) with plain torch forward hooks ``[(module, fn), ...]``, removed after."""
+    handles = [m.register_forward_hook(fn) for m, fn in hooks]
+    try:
+        with torch.no_grad():
+            ref(input_ids=ids[None])
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _first(o):
+    return o[0] if isinstance(o, tuple) else o
+
+
 def ref_decoder_value_zeroing(ref, ids, l, t):
     """Block l's output (T, D) of one sentence with token t's value vectors zeroed in layer l only: plain torch
     forward hooks on the eager model's v_proj (mask) and block (keep its output), not the project's hooks."""
@@ -275,28 +290,15 @@ def ref_decoder_value_zeroing(ref, ids, l, t):
     keep[0, t] = 0
     blk = ref.layers[l]
     out = []
-    handles = [blk.self_attn.v_proj.register_forward_hook(lambda m, a, o: o * keep),
-               blk.register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple) else o))]
-    try:
-        with torch.no_grad():
-            ref(input_ids=ids[None])
-    finally:
-        for h in handles:
-            h.remove()
+    forward_with_hooks(ref, ids, [(blk.self_attn.v_proj, lambda m, a, o: o * keep),
+                                  (blk, lambda m, a, o: out.append(_first(o)))])
     return out[0][0]
 
 
 def block_outputs(ref, ids) -> list[torch.Tensor]:
     """L x (T, D) outputs of every block of a plain forward (forward hooks on the blocks)."""
     out = []
-    handles = [b.register_forward_hook(lambda m, a, o: out.append((o[0] if isinstance(o, tuple) else o)[0]))
-               for b in ref.layers]
-    try:
-        with torch.no_grad():
-            ref(input_ids=ids[None])
-    finally:
-        for h in handles:
-            h.remove()
+    forward_with_hooks(ref, ids, [(b, lambda m, a, o: out.append(_first(o)[0])) for b in ref.layers])
     return out
 
 
