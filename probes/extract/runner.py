@@ -18,9 +18,10 @@ The child dies with its parent: on Linux the kernel sends it SIGTERM when the pa
 ``PR_SET_PDEATHSIG``), elsewhere a watchdog thread polls the parent's pid; either way it removes the request's
 temporary folder (``$TMPDIR/probes-extract-<parent pid>-*``) before exiting (the signal comes when the parent's
 starting thread ends, which under ``kill -9`` can be before its other threads: the parent then still looks alive
-by ``getppid()``, so a parent whose main thread is a zombie counts as gone, and the child looks again at exit). The parent removes that folder on
-every exit path it lives through (result, error, SIGTERM/SIGHUP, Ctrl-C: the child is stopped first), and folders
-left by a parent killed outright (``kill -9``) whose pid is gone are removed at the next spawn.
+by ``getppid()``, so a parent whose main thread is a zombie counts as gone, and the child looks again at exit).
+The parent removes that folder on every exit path it lives through (result, error, SIGTERM/SIGHUP, Ctrl-C: the
+child is stopped first), and folders left by a parent killed outright (``kill -9``) whose pid is gone are also
+removed at the next spawn.
 """
 
 from __future__ import annotations
