@@ -12,7 +12,8 @@ from the last):
   ``check_batch`` reads the batch's ``nonfinite`` counts;
 - *none*: neither.
 
-Prints each side's fastest epoch, the ratios to *none* and the time spent inside the check in this process. A
+Prints each side's fastest epoch and its least-CPU epoch (the training process's CPU time, which other
+processes change less than wall time), the ratios to *none* and the time spent inside the check in this process. A
 script, not a test:
 
     PROBES_DATA_DIR=../shared/data python bench/batch_check_cost.py [--repeats 3] [--epochs 2] [overrides ...]
@@ -37,19 +38,22 @@ SIDES = ("old", "new", "none")
 
 
 class EpochTimer(pl.Callback):
-    """Wall time of every training epoch (validation excluded)."""
+    """Wall time and this process's CPU time (all its threads; not the loader's workers) of every training epoch
+    (validation excluded)."""
 
     def __init__(self):
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.t1 = time.perf_counter()
+        self.t1, self.c1 = time.perf_counter(), time.process_time()
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.times.append(self.t1 - self.t0)
+        self.cpu.append(self.c1 - self.c0)
 
 
 def timed(fn, spent: list[float]):
@@ -67,7 +71,7 @@ def old_check(self, batch, batch_idx, split):
     CHECK(self, {k: v for k, v in batch.items() if k != "nonfinite"}, batch_idx, split)
 
 
-def run(cfg, side: str, checks: list[float], counts: list[float]) -> list[float]:
+def run(cfg, side: str, checks: list[float], counts: list[float]) -> EpochTimer:
     """Fit ``cfg``'s probe with the ``side`` check; the epochs' times (``checks``, ``counts``: time inside
     ``check_batch`` and inside the dataset's count, where it runs in this process)."""
     ProbeModule.check_batch = {"old": timed(old_check, checks), "new": timed(CHECK, checks),
@@ -83,7 +87,7 @@ def run(cfg, side: str, checks: list[float], counts: list[float]) -> list[float]
         trainer = instantiate(cfg.trainer, callbacks=[timer], logger=False, enable_checkpointing=False,
                               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
         trainer.fit(model, datamodule=dm)
-        return timer.times
+        return timer
     finally:
         ProbeModule.check_batch, D.count_nonfinite = CHECK, COUNT
 
@@ -98,11 +102,14 @@ def main() -> None:
     cfg = compose("train", ["experiment=smoke", "logger=none", "paths.output_dir=/tmp/batch-check-bench",
                             f"trainer.max_epochs={args.epochs}", *args.overrides])
     times = {s: [] for s in SIDES}
+    cpu = {s: [] for s in SIDES}
     checks = {s: [] for s in SIDES}
     counts: list[float] = []
     for r in range(args.repeats):
         for side in SIDES[r % 3:] + SIDES[:r % 3]:  # the order rotated from round to round
-            times[side] += run(cfg, side, checks[side], counts)
+            timer = run(cfg, side, checks[side], counts)
+            times[side] += timer.times
+            cpu[side] += timer.cpu
         print(f"  round {r + 1}: " + ", ".join(f"{s} {min(times[s][-args.epochs:]):.3f} s" for s in SIDES)
               + f"; load average {os.getloadavg()[0]:.2f}", flush=True)
     batches = len(checks["old"]) // (args.repeats * args.epochs)
@@ -110,9 +117,11 @@ def main() -> None:
           f"{cfg.data.num_workers}; data: {os.environ.get('PROBES_DATA_DIR')}; overrides: experiment=smoke "
           f"{' '.join(args.overrides)}; load average {os.getloadavg()[0]:.2f}")
     best = {s: min(times[s]) for s in SIDES}
+    least = {s: min(cpu[s]) for s in SIDES}
     for s in SIDES:
         inside = sum(checks[s]) / (args.repeats * args.epochs)
         print(f"{s:>4}: fastest epoch {best[s]:.3f} s (of {len(times[s])}), {best[s] / best['none']:.3f}x none; "
+              f"least CPU {least[s]:.3f} s (training process), {least[s] / least['none']:.3f}x none; "
               f"check_batch {1e3 * inside:.1f} ms per epoch ({1e3 * inside / max(batches, 1):.3f} ms per batch)")
     if counts:
         per_epoch = sum(counts) / (args.repeats * args.epochs)
