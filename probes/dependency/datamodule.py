@@ -17,6 +17,7 @@ from probes.data.glove import vector_rows
 from probes.extract.cache import AttentionCache
 from probes.extract.run import ensure_caches
 from probes.training.datamodule import TreebankDataModule, TreebankSplit
+from probes.training.module import count_nonfinite
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ class SplitData(TreebankSplit):
 
 
 class DependencySplit(Dataset):
-    """Items of one split: the sentence's cached maps (L, H, n + 2, n + 2), heads, punctuation, GloVe rows."""
+    """Items of one split: the sentence's cached maps (L, H, n + 2, n + 2), heads, punctuation, GloVe rows, and
+    ``nonfinite``: how many NaN/inf values the maps held as read (counted here, in the loader's worker where there
+    is one, on the float32 copy just made; :meth:`probes.training.module.ProbeModule.check_batch` reads it)."""
 
     def __init__(self, split: SplitData):
         self.split = split
@@ -40,8 +43,8 @@ class DependencySplit(Dataset):
 
     def __getitem__(self, k: int) -> dict:
         i = self.split.indices[k]
-        maps = self.split.cache[i]  # (L, H, W, W) float16, W = n + 2
-        return dict(index=i, maps=torch.from_numpy(maps.astype(np.float32)),
+        maps = self.split.cache[i].astype(np.float32)  # (L, H, W, W), W = n + 2, stored float16
+        return dict(index=i, maps=torch.from_numpy(maps), nonfinite=count_nonfinite(maps),
                     heads=torch.from_numpy(self.split.heads[i].astype(np.int64)),
                     punct=torch.from_numpy(self.split.punct[i]), glove=torch.from_numpy(self.split.glove_ids[i]))
 
@@ -54,7 +57,8 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
     """Pad to the longest sentence N and lay the maps out as probe features.
 
     F = 2K features per (dependent j, candidate i): K = layers x heads maps of attention j -> i,
-    then the same K maps of attention i -> j. [CLS] and [SEP] become the ROOT features.
+    then the same K maps of attention i -> j. [CLS] and [SEP] become the ROOT features. Items that carry
+    ``nonfinite`` (the dataset's) give the batch ``nonfinite`` (B,): every float tensor here is made of their maps.
     """
     B, N = len(items), max(len(it["heads"]) for it in items)
     L, H = items[0]["maps"].shape[:2]
@@ -75,8 +79,11 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
         root_cls[b, :K, :n], root_cls[b, K:, :n] = m[:, 1:-1, 0], m[:, 0, 1:-1]
         root_sep[b, :K, :n], root_sep[b, K:, :n] = m[:, 1:-1, -1], m[:, -1, 1:-1]
         heads[b, :n], punct[b, :n], glove[b, :n], lengths[b] = it["heads"], it["punct"], it["glove"], n
-    return dict(index=torch.tensor([it["index"] for it in items]), feats=feats, root_cls=root_cls,
-                root_sep=root_sep, heads=heads, punct=punct, glove=glove, lengths=lengths)
+    batch = dict(index=torch.tensor([it["index"] for it in items]), feats=feats, root_cls=root_cls,
+                 root_sep=root_sep, heads=heads, punct=punct, glove=glove, lengths=lengths)
+    if all("nonfinite" in it for it in items):
+        batch["nonfinite"] = torch.tensor([it["nonfinite"] for it in items])  # (B,) NaN/inf values as read
+    return batch
 
 
 class DependencyDataModule(TreebankDataModule):

@@ -16,13 +16,17 @@ sources are plain picklable objects: the child receives them as they are, nothin
 
 The child dies with its parent: on Linux the kernel sends it SIGTERM when the parent dies (``prctl``
 ``PR_SET_PDEATHSIG``), elsewhere a watchdog thread polls the parent's pid; either way it removes the request's
-temporary folder (``$TMPDIR/probes-extract-<parent pid>-*``) before exiting. The parent removes that folder on
-every exit path it lives through (result, error, SIGTERM/SIGHUP, Ctrl-C: the child is stopped first), and folders
-left by a parent killed outright (``kill -9``) whose pid is gone are removed at the next spawn.
+temporary folder (``$TMPDIR/probes-extract-<parent pid>-*``) before exiting (the signal comes when the parent's
+starting thread ends, which under ``kill -9`` can be before its other threads: the parent then still looks alive
+by ``getppid()``, so a parent whose main thread is a zombie counts as gone, and the child looks again at exit).
+The parent removes that folder on every exit path it lives through (result, error, SIGTERM/SIGHUP, Ctrl-C: the
+child is stopped first), and folders left by a parent killed outright (``kill -9``) whose pid is gone are also
+removed at the next spawn.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -298,24 +302,55 @@ def _spawn(encoder_cfg: DictConfig | Mapping, kind: CacheKind, sources: list, se
                        f"{res.get('error', 'no result written (killed?)')}\n{res.get('traceback', '')}")
 
 
+def _parent_gone(parent: int, wait_s: float = 0.0) -> bool:
+    """Whether ``parent`` (pid) has died or is dying: this process was handed to another parent, or the
+    parent's main thread has ended (a zombie thread-group leader: ``kill -9`` ends a process's threads one by
+    one, and the kernel sends the death signal when the thread that started this process ends, while
+    ``getppid()`` still names the parent because one of its other threads adopted this process). Looks again
+    for up to ``wait_s`` s (the signal can arrive a moment before the leader is marked a zombie)."""
+    end = time.monotonic() + wait_s
+    while True:
+        if os.getppid() != parent:
+            return True
+        try:
+            state = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state in ("Z", "X"):
+                return True
+        except (OSError, IndexError):  # no /proc (not Linux): the pid alone
+            if not _alive(parent):
+                return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+
+
 def die_with_parent(parent: int, on_death: Callable[[], None], poll_s: float = 1.0) -> str:
     """Make this process end when ``parent`` (pid) dies: SIGTERM from the kernel (Linux ``prctl``
     ``PR_SET_PDEATHSIG``), else a daemon thread that polls the parent pid every ``poll_s`` s and sends SIGTERM
-    to this process; SIGTERM runs ``on_death`` (when the parent is gone) and exits. Already orphaned: exit now.
-    Returns the mechanism (``prctl`` or ``watchdog``)."""
-    def terminated(signum, frame):
-        if os.getppid() != parent:
+    to this process; SIGTERM runs ``on_death`` (when the parent is gone or dying, :func:`_parent_gone`) and
+    exits, and so does any exit of this interpreter after the parent died (``atexit``: a first signal that
+    came while the dying parent still looked alive). ``on_death`` runs at most once. Already orphaned: exit
+    now. Returns the mechanism (``prctl`` or ``watchdog``)."""
+    done = []
+
+    def cleanup(wait_s: float) -> None:
+        if not done and _parent_gone(parent, wait_s):
+            done.append(True)
             on_death()
+
+    def terminated(signum, frame):
+        cleanup(0.2)
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, terminated)
+    atexit.register(cleanup, 0.0)
     how = "watchdog"
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
                 how = "prctl"
-    if os.getppid() != parent:  # the parent died before the death signal was armed
-        on_death()
+    if _parent_gone(parent):  # the parent died (or is dying) before the death signal was armed
+        cleanup(0.0)
         raise SystemExit(1)
     if how == "watchdog":
         def watch():

@@ -21,7 +21,9 @@ One convention for all of them:
 - **Sanity guard**: a NaN or infinite value in a batch's floating-point inputs (e.g. a damaged cached map)
   raises :class:`NonFiniteInputError` naming the split, epoch, batch, the sentences (items) holding it and the
   data they came from (the datamodule's ``source(stage)``: the cache entry); a NaN or infinite loss raises
-  :class:`NonFiniteLossError` naming the split, epoch, batch and its items.
+  :class:`NonFiniteLossError` naming the split, epoch, batch and its items. A dataset that counts each item's
+  non-finite values as it reads them (:func:`count_nonfinite`, in the loader's worker where there is one) puts
+  the counts in the batch as ``nonfinite`` (B,), and the check reads them instead of the batch's tensors.
 - **Resume**: a checkpoint also holds the tracked best and the random generators' states
   (:meth:`ProbeModule.on_save_checkpoint`), restored when ``python train.py resume=<run folder>`` loads it.
 - **Models without parameters**: :meth:`ProbeModule.build` creates whatever needs sizes from the data, so
@@ -51,6 +53,15 @@ class NonFiniteLossError(FloatingPointError):
 class NonFiniteInputError(FloatingPointError):
     """A batch's inputs hold a NaN or infinite value (the message names the split, epoch, batch, the items
     holding it and the data they were read from, e.g. the cache entry)."""
+
+
+def count_nonfinite(values: np.ndarray) -> int:
+    """Number of NaN and infinite values in the float array ``values``: one single-threaded numpy sum, finite
+    unless a value is not (or the sum overflows: then counted exactly), so the common case is one pass over data
+    the caller has just touched (a torch sum of a small tensor waits for its thread pool on a busy machine)."""
+    if np.isfinite(np.add.reduce(values, axis=None)):
+        return 0
+    return int(values.size - np.count_nonzero(np.isfinite(values)))
 
 
 class ProbeModule(pl.LightningModule):
@@ -122,8 +133,15 @@ class ProbeModule(pl.LightningModule):
     def check_batch(self, batch: Any, batch_idx: int, split: str) -> None:
         """Raise :class:`NonFiniteInputError` when a floating-point tensor of ``batch`` (a mapping) holds a NaN or
         infinite value, naming the rows holding it (their ``index`` in the split, where the batch has one),
-        :meth:`describe_batch` and the datamodule's ``source(stage)`` (where the stage's data was read)."""
+        :meth:`describe_batch` and the datamodule's ``source(stage)`` (where the stage's data was read).
+
+        A batch with ``nonfinite`` (B,), each item's non-finite values counted by the dataset as it read them
+        (:func:`count_nonfinite`; its floating-point tensors are made from those values only), is judged by
+        those counts; the tensors are scanned only to name the one holding the values."""
         if not isinstance(batch, Mapping):
+            return
+        counts = batch.get("nonfinite")  # (B,) per item, or None: the tensors are scanned
+        if torch.is_tensor(counts) and not bool(counts.any()):
             return
         for name, value in batch.items():
             if not (torch.is_tensor(value) and value.is_floating_point()):
@@ -133,17 +151,26 @@ class ProbeModule(pl.LightningModule):
                 continue
             bad = ~torch.isfinite(value.detach())
             rows = bad.flatten(1).any(1).nonzero().flatten() if value.dim() > 1 else bad.nonzero().flatten()
-            index = batch.get("index")
-            items = (index[rows.to(index.device)].tolist() if torch.is_tensor(index) and index.dim() == 1
-                     and len(index) == len(value) else rows.tolist())
-            stage = {"val": "val", "test": "test"}.get(split, "train")
-            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-            source = dm.source(stage) if hasattr(dm, "source") else "unknown"
-            what = self.describe_batch(batch)
-            raise NonFiniteInputError(
-                f"{type(self).__name__}: {split} batch {batch_idx} of epoch {self.current_epoch}: "
-                f"{int(bad.sum())} non-finite values (NaN/inf) in '{name}' of items {items}"
-                + (f" ({what})" if what else "") + f", read from {source}: the data is damaged, rebuild it")
+            self._raise_nonfinite(batch, batch_idx, split, f"{int(bad.sum())} non-finite values (NaN/inf) in "
+                                  f"'{name}'", rows, len(value))
+        if torch.is_tensor(counts):  # read as non-finite, but in values the batch's tensors leave out
+            rows = counts.nonzero().flatten()
+            self._raise_nonfinite(batch, batch_idx, split, f"{int(counts.sum())} non-finite values (NaN/inf) in "
+                                  "the data read (not in the batch's tensors)", rows, len(counts))
+
+    def _raise_nonfinite(self, batch: Mapping, batch_idx: int, split: str, what: str, rows: torch.Tensor,
+                         size: int) -> None:
+        """Raise :class:`NonFiniteInputError`: ``what`` was found in ``rows`` of a batch of ``size`` items."""
+        index = batch.get("index")
+        items = (index[rows.to(index.device)].tolist() if torch.is_tensor(index) and index.dim() == 1
+                 and len(index) == size else rows.tolist())
+        stage = {"val": "val", "test": "test"}.get(split, "train")
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        source = dm.source(stage) if hasattr(dm, "source") else "unknown"
+        described = self.describe_batch(batch)
+        raise NonFiniteInputError(
+            f"{type(self).__name__}: {split} batch {batch_idx} of epoch {self.current_epoch}: {what} of items {items}"
+            + (f" ({described})" if described else "") + f", read from {source}: the data is damaged, rebuild it")
 
     def _run_step(self, batch: Any, batch_idx: int, split: str) -> tuple[torch.Tensor, Any]:
         self.check_batch(batch, batch_idx, split)
