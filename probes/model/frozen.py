@@ -45,6 +45,9 @@ def _packed_forward(linear: nn.Linear, post_op: str) -> callable:
     algorithm = "none" if post_op == "gelu" else ""  # the GELU's approximation: none = erf
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cpu:  # the model was moved after entering (a Trainer on a GPU): the module's own weights
+            y = nn.functional.linear(x, linear.weight, linear.bias)
+            return nn.functional.gelu(y) if post_op == "gelu" else y
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, post_op, [], algorithm)
         return y.view(*x.shape[:-1], y.shape[-1])
 
