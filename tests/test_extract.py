@@ -45,11 +45,12 @@ def eager_twin(enc: Encoder) -> torch.nn.Module:
 
 
 def reference_maps(ref: torch.nn.Module, tokenizer, words) -> np.ndarray:
-    """(L, H, W, W) word-level maps from a plain eager fp32 forward with output_attentions (one sentence)."""
+    """(L, H, W, W) word-level maps from a plain eager forward (fp32, or as ``ref`` is held) with
+    output_attentions (one sentence), pooled in float32."""
     (e,) = encode_words(tokenizer, [words])
     with torch.no_grad():
         out = ref(input_ids=torch.tensor([e.input_ids]), output_attentions=True)
-    attn = torch.stack(out.attentions, 1)[0]  # (L, H, T, T)
+    attn = torch.stack(out.attentions, 1)[0].float()  # (L, H, T, T)
     L, H, T, _ = attn.shape
     frm = pooling_matrix(e.word_of_piece, e.n_words, "mean")[None]  # (1, W, T)
     to = pooling_matrix(e.word_of_piece, e.n_words, "sum")[None]
@@ -114,31 +115,58 @@ def test_extract_matches_plain_forward_and_reuses_cache(tmp_path):
     assert (again.path / "manifest.json").stat().st_mtime_ns == mtime
 
 
-def test_bf16_extraction_casts_linear_weights_once_bit_identically(tmp_path):
-    """bf16-mixed: the cache written with every nn.Linear held in bf16 (``linears_in``) equals, byte for byte, the
-    maps of autocast casting the fp32 weights at every call; afterwards the model holds its own fp32 weights."""
+def test_fp16_linears_in_casts_linear_weights_once_bit_identically():
+    """16-mixed: every nn.Linear held in float16 (``linears_in``) gives, byte for byte, the maps of autocast casting
+    the fp32 weights at every call; afterwards the model holds its own fp32 weights (the same Parameters)."""
     enc = tiny_bert(max_position_embeddings=128)
     before = {n: p.detach().clone() for n, p in enc.model.named_parameters()}
     params = {n: p for n, p in enc.model.named_parameters()}
-    bf16 = functools.partial(TRAINER, precision="bf16-mixed")
-    cache = extract(enc, SENTS, dict(encoder=enc.name, dataset="synthetic", split="dev"), tmp_path, bf16)  # one batch
     ex = AttentionExtractor(enc.model, enc.num_layers)
     encoded = encode_words(enc.tokenizer, SENTS)
     batch = make_batch(encoded, list(range(len(SENTS))), "mean", "sum", enc.tokenizer.pad_token_id)
-    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
         per_call = ex.predict_step(batch)["maps"]  # (B, L, H, W, W) float16, fp32 weights cast per call
-        with linears_in(enc.model, "bf16-mixed"):
-            assert all(m.weight.dtype == torch.bfloat16 for m in enc.model.modules() if isinstance(m, torch.nn.Linear))
+        with linears_in(enc.model, "16-mixed"):
+            assert all(m.weight.dtype == torch.float16 for m in enc.model.modules() if isinstance(m, torch.nn.Linear))
             once = ex.predict_step(batch)["maps"]
     assert torch.equal(once, per_call)
-    for i, e in enumerate(encoded):
-        W = e.n_words + 2
-        assert np.array_equal(cache[i], per_call[i, :, :, :W, :W].numpy()), i
-    # the same fp32 Parameter objects are back, unchanged
     assert all(p is params[n] and p.dtype == torch.float32 and torch.equal(p, before[n])
                for n, p in enc.model.named_parameters())
     with linears_in(enc.model, "32-true"):  # full precision: nothing is touched
         assert all(p is params[n] for n, p in enc.model.named_parameters())
+
+
+def test_bf16_extraction_holds_the_whole_model_in_bf16(tmp_path):
+    """bf16-mixed attention maps come from the model held wholly in bf16 (``compute_in``: no autocast casts, packed
+    oneDNN linear layers with the GELU fused on a bf16 CPU, words pooled in bf16). They match an independent
+    forward of a plain eager twin cast to bf16 (pooled in float32) and stay near the fp32 maps; fp32 extraction is
+    unaffected (its maps are those of the plain fp32 path) and the model holds its fp32 Parameters afterwards."""
+    enc = tiny_bert(max_position_embeddings=128)
+    before = {n: p.detach().clone() for n, p in enc.model.named_parameters()}
+    params = {n: p for n, p in enc.model.named_parameters()}
+    ref = eager_twin(enc).to(torch.bfloat16)
+    key = dict(encoder=enc.name, dataset="synthetic", split="dev")
+    bf16 = extract(enc, SENTS, dict(key, p="bf16"), tmp_path, functools.partial(TRAINER, precision="bf16-mixed"))
+    fp32 = extract(enc, SENTS, dict(key, p="fp32"), tmp_path, TRAINER)
+    assert all(p is params[n] and p.dtype == torch.float32 and torch.equal(p, before[n])
+               for n, p in enc.model.named_parameters())
+    to_ref, to_fp32 = 0.0, 0.0
+    for i, words in enumerate(SENTS):
+        m = bf16[i].astype(np.float32)
+        to_ref = max(to_ref, float(np.abs(m - reference_maps(ref, enc.tokenizer, words)).max()))
+        to_fp32 = max(to_fp32, float(np.abs(m - fp32[i].astype(np.float32)).max()))
+    # bf16 keeps 8 mantissa bits: one rounding of a value <= 1 is <= 2^-9; the twin differs in kernels and pooling
+    assert to_ref <= 1e-2, to_ref
+    assert 0 < to_fp32 <= 1e-2, to_fp32
+    # fp32 entries are what they were: the plain fp32 path, pooled in float32
+    ex = AttentionExtractor(enc.model, enc.num_layers)
+    encoded = encode_words(enc.tokenizer, SENTS)
+    batch = make_batch(encoded, list(range(len(SENTS))), "mean", "sum", enc.tokenizer.pad_token_id)
+    with torch.inference_mode():
+        maps = ex.predict_step(batch)["maps"]
+    for i, e in enumerate(encoded):
+        W = e.n_words + 2
+        assert np.array_equal(fp32[i], maps[i, :, :, :W, :W].numpy()), i
 
 
 def test_long_sentences_are_skipped_and_counted_or_rejected(tmp_path):
@@ -367,6 +395,13 @@ def test_cache_keys_are_those_of_existing_caches(tmp_path):
         "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-8c4649960c313d8e"
     # one builder: the attention folder's name is entry_dir's of cache_key
     assert entry_dir("/c", cache_key(enc, dev, AttentionMaps(), s, "32-true")).name == name(AttentionMaps(), dev, s)
+    # bf16-mixed attention maps are computed with the model held in bf16: their own field, so entries of the
+    # autocast path are not reused; other kinds and map kinds keep their keys (the flow names above)
+    held = cache_key(enc, dev, AttentionMaps(), s, "bf16-mixed")
+    assert held.pop("held") == "bfloat16"
+    assert entry_dir("/c", held).name == "tiny-bert-6dbe4a76e6ed-pin-dev-74b4df8522d9fbb5"  # the autocast path's (before)
+    assert name(AttentionMaps(), dev, s, "bf16-mixed") != entry_dir("/c", held).name
+    assert "held" not in cache_key(enc, dev, HiddenStates(None, "mean"), s, "bf16-mixed")
     with pytest.raises(ValueError, match="long_sentences=error"):
         name(AttentionMaps(), coref, s)  # word lists are keyed without the policy: only 'error' is allowed
 

@@ -60,12 +60,16 @@ def cache_key(encoder, source, kind, settings, precision: str) -> dict:
     causal LM also whether each sequence starts with a BOS, :meth:`~probes.model.load.Encoder.key_fields`),
     then ``source.key_fields(settings)`` (which sentences: dataset, split, data digest, how many or how they
     were made, the long-sentence policy where it applies) and ``kind.key_fields(encoder, settings)`` (what is
-    stored: pooling and map kind, or layers and pooling). ``source``/``kind``: the objects of
+    stored: pooling and map kind, or layers and pooling), then, for a kind that has it,
+    ``kind.precision_fields(settings, precision)`` (how it computes at that precision).
+    ``source``/``kind``: the objects of
     :mod:`probes.extract.runner`; ``settings``: an :class:`~probes.extract.settings.ExtractSettings`.
     """
+    computed = getattr(kind, "precision_fields", None)  # how a kind computes at this precision, where it says
     return dict(format_version=FORMAT_VERSION, encoder=encoder.name, revision=encoder.fingerprint,
                 max_length=settings.max_length_for(encoder), precision=precision, storage="float16",
-                **encoder.key_fields(), **source.key_fields(settings), **kind.key_fields(encoder, settings))
+                **encoder.key_fields(), **source.key_fields(settings), **kind.key_fields(encoder, settings),
+                **(computed(settings, precision) if computed else {}))
 
 
 def entry_dir(cache_dir: str | Path, key: dict, folder: str = "attention") -> Path:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from probes.extract import cache as C
 from probes.measures import build
 from probes.model import hooks
+from probes.model.frozen import held_in
 from probes.model.inputs import Encoded, encode_words, length_batches, pad_encoded, pooling_matrix
 from probes.model.load import Encoder
 
@@ -74,6 +75,7 @@ class SentenceBatches(Dataset):
 
 
 LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # autocast's compute dtype
+HELD = {"bf16-mixed": torch.bfloat16}  # mixed precisions whose attention extraction holds the whole model in it
 
 
 @contextlib.contextmanager
@@ -100,19 +102,35 @@ def linears_in(model: torch.nn.Module, precision: str) -> Iterator[None]:
             m.weight, m.bias = w, b
 
 
+@contextlib.contextmanager
+def compute_in(model: torch.nn.Module, precision: str) -> Iterator[torch.dtype]:
+    """The frozen attention forward's dtypes under ``precision``; yields the dtype to pool words in.
+
+    bf16-mixed: the whole model held in bf16 (:func:`probes.model.frozen.held_in`: no casts; oneDNN packed
+    linear layers on a CPU) and words pooled in bf16 (matmuls accumulate in float32); 16-mixed: the linear
+    layers' weights in float16 (:func:`linears_in`); others: nothing changes. Pooling in float32 unless held."""
+    dtype = HELD.get(str(precision))
+    if dtype is None:
+        with linears_in(model, precision):
+            yield torch.float32
+    else:
+        with held_in(model, dtype):
+            yield dtype
+
+
 def pool_layers(probs: list[torch.Tensor], from_mat: torch.Tensor, to_mat: torch.Tensor,
-                dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Word-level maps, pooled one layer at a time in float32 (no float32 copy of all layers' piece maps).
+                dtype: torch.dtype = torch.float16, compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """Word-level maps, pooled one layer at a time in ``compute`` (no copy of all layers' piece maps).
 
     probs: L x (B, H, T, T) in any float dtype; from_mat, to_mat: (B, W, T). Returns (B, L, H, W, W) in ``dtype``.
     """
     B, H, T, _ = probs[0].shape
     W = from_mat.shape[1]
     out = torch.empty(B, len(probs), H, W, W, dtype=dtype, device=from_mat.device)  # (B, L, H, W, W)
-    frm, to_t = from_mat.unsqueeze(1), to_mat.transpose(1, 2)  # (B, 1, W, T), (B, T, W)
+    frm, to_t = from_mat.unsqueeze(1).to(compute), to_mat.transpose(1, 2).to(compute)  # (B, 1, W, T), (B, T, W)
     for l, a in enumerate(probs):
         # columns first as one (H*T, T) @ (T, W) product per sentence: fewer, larger matmuls
-        cols = torch.bmm(a.float().reshape(B, H * T, T), to_t).view(B, H, T, W)  # (B, H, T, W)
+        cols = torch.bmm(a.to(compute).reshape(B, H * T, T), to_t).view(B, H, T, W)  # (B, H, T, W)
         out[:, l] = frm @ cols  # (B, H, W, W)
     return out
 
@@ -133,6 +151,7 @@ class AttentionExtractor(pl.LightningModule):
         self.layers = list(layers) if layers is not None else list(
             range(num_layers if num_layers is not None else int(model.config.num_hidden_layers)))
         self.measure = measure  # a probes.measures.Measure (extract.maps); None: attention probabilities
+        self.pool_dtype = torch.float32  # the dtype words are pooled in (compute_in's)
 
     def attention_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
         """L x (B, H, T, T) probabilities of every layer (compute dtype)."""
@@ -145,7 +164,7 @@ class AttentionExtractor(pl.LightningModule):
         return torch.stack(self.attention_probs(input_ids, attention_mask), dim=1)
 
     def word_maps(self, batch: dict[str, torch.Tensor], dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        """(B, L, H', W, W) word-level maps of a :func:`make_batch` batch (pooled in float32); H' = H, or 1
+        """(B, L, H', W, W) word-level maps of a :func:`make_batch` batch (pooled in ``pool_dtype``); H' = H, or 1
         for per-layer measures."""
         if self.measure is None:
             probs = self.attention_probs(batch["input_ids"], batch["attention_mask"])
@@ -153,7 +172,7 @@ class AttentionExtractor(pl.LightningModule):
             probs = self.measure(self.model, batch["input_ids"], batch["attention_mask"])
             probs = [probs[l] for l in self.layers]  # a measure covers every layer (rollout needs them all)
         with torch.autocast(probs[0].device.type, enabled=False):
-            return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype)
+            return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype, self.pool_dtype)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int = 0) -> dict[str, torch.Tensor]:
         maps = self.word_maps(batch)  # (B, L, H, W, W) float16
@@ -236,7 +255,8 @@ def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, token
 
     def time_fn(precision: str) -> float:
         if device == "cuda":
-            with linears_in(ex.model, precision), torch.inference_mode(), autocast(precision, device):
+            with compute_in(ex.model, precision) as ex.pool_dtype, torch.inference_mode(), \
+                    autocast(precision, device):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 ex.predict_step(batch)
@@ -245,7 +265,8 @@ def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, token
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            with linears_in(ex.model, precision), torch.inference_mode(), autocast(precision, device):
+            with compute_in(ex.model, precision) as ex.pool_dtype, torch.inference_mode(), \
+                    autocast(precision, device):
                 t0 = time.thread_time()
                 ex.predict_step(batch)
                 return (time.thread_time() - t0) / n_tokens
@@ -366,11 +387,11 @@ def _extract(
                         persistent_workers=False, pin_memory=False)
     log.info("extracting attention: %d sentences, %d batches -> %s", len(kept), len(batches), final_dir)
     log.info("map kind: %s", maps)
-    # attention: linear weights cast once to a mixed precision's compute dtype (bit-identical); other map kinds
-    # read weights themselves, so they keep them as loaded
-    with linears_in(encoder.model, str(t.precision) if maps == "attention" else "32-true"):
-        t.predict(AttentionExtractor(encoder.model, measure=None if maps == "attention" else measure, layers=layers),
-                  loader, return_predictions=False)
+    # attention: the model held in a mixed precision's compute dtype (compute_in); other map kinds read weights
+    # themselves, so they keep them as loaded
+    ex = AttentionExtractor(encoder.model, measure=None if maps == "attention" else measure, layers=layers)
+    with compute_in(encoder.model, str(t.precision) if maps == "attention" else "32-true") as ex.pool_dtype:
+        t.predict(ex, loader, return_predictions=False)
     return C.AttentionCache(final_dir)
 
 
@@ -386,6 +407,12 @@ class AttentionMaps:
         """Pooling, the layers when not all, and, for map kinds other than attention, the kind and its options."""
         return dict(from_words=settings.from_words, to_words=settings.to_words, **settings.layer_key(encoder),
                     **settings.map_key())
+
+    def precision_fields(self, settings, precision: str) -> dict:
+        """``{"held": "bf16"}`` for attention maps at bf16-mixed (:func:`compute_in`: the whole model and the
+        pooling in bf16, not autocast; entries of the autocast path have no such field); else ``{}``."""
+        held = HELD.get(str(precision))
+        return {"held": str(held).removeprefix("torch.")} if held is not None and settings.maps == "attention" else {}
 
     def build(self, encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
               trainer: Callable[..., pl.Trainer], settings) -> C.AttentionCache:

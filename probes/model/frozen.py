@@ -1,0 +1,101 @@
+"""A frozen model held in a low-precision dtype for inference, weights and activations alike (no casts).
+
+``with held_in(model, torch.bfloat16): ...`` casts every floating parameter and buffer of ``model`` to
+bf16 in place (the same ``Parameter`` objects; their float32 data is put back on exit, bit for bit), so
+that the whole forward (embeddings, LayerNorm, residual sums, attention, feed-forward) runs in bf16: no
+autocast cast of a weight, of a LayerNorm output (once per Q, K and V), or of a softmax output. The CPU
+kernels of LayerNorm, softmax and GELU accumulate bf16 inputs in float32.
+
+On a CPU with oneDNN bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``) every ``nn.Linear`` also
+runs as oneDNN's linear on a weight reordered once (``_reorder_linear_weight``) instead of at every call,
+and the GELU of a transformers ``*Intermediate`` block (``dense`` then an exact-erf GELU, BERT/RoBERTa/
+ELECTRA/MiniLM) is fused into its ``dense`` projection as a oneDNN post-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.activations import GELUActivation
+
+LINEAR_PACK_ROWS = 2048  # the batch rows (B * T) oneDNN's weight reorder is tuned for
+
+
+def packed_linear_supported(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether :func:`held_in` runs ``model``'s linear layers as oneDNN bf16 linears on packed weights."""
+    p = next(model.parameters(), None)
+    return (dtype == torch.bfloat16 and p is not None and p.device.type == "cpu"
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _exact_gelu(act: nn.Module) -> bool:
+    """An exact (erf) GELU module: ``nn.GELU()`` or transformers' ``GELUActivation`` on ``F.gelu``."""
+    if isinstance(act, nn.GELU):
+        return act.approximate == "none"
+    return type(act) is GELUActivation and getattr(act, "act", None) is nn.functional.gelu
+
+
+def _packed_forward(linear: nn.Linear, post_op: str) -> callable:
+    """``x (..., in) -> (..., out)``: ``linear`` (then GELU when ``post_op == "gelu"``) as one oneDNN call."""
+    weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), LINEAR_PACK_ROWS)
+    bias = None if linear.bias is None else linear.bias.detach()
+    algorithm = "none" if post_op == "gelu" else ""  # the GELU's approximation: none = erf
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cpu:  # the model was moved after entering (a Trainer on a GPU): the module's own weights
+            y = nn.functional.linear(x, linear.weight, linear.bias)
+            return nn.functional.gelu(y) if post_op == "gelu" else y
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, post_op, [], algorithm)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    return forward
+
+
+@contextmanager
+def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
+    """Inside the block every floating parameter and buffer of ``model`` is held in ``dtype`` (see the module
+    docstring; bf16 on a oneDNN CPU: packed linear layers, fused GELU); everything is restored on exit.
+    For inference only: the packed linear layers keep the weights they were entered with."""
+    saved: list[tuple[nn.Module, str, bool, torch.Tensor]] = []  # (module, name, is parameter, original data)
+    patched: list[nn.Module] = []  # linear layers whose forward was replaced
+    acts: list[tuple[nn.Module, nn.Module]] = []  # (*Intermediate block, its GELU) fused into its dense layer
+    try:
+        for m in model.modules():
+            for table, is_param in ((m._parameters, True), (m._buffers, False)):
+                for name, t in table.items():
+                    if t is None or not t.is_floating_point() or t.dtype == dtype:  # a tied one: cast already
+                        continue
+                    saved.append((m, name, is_param, t.data))
+                    if is_param:
+                        t.data = t.data.to(dtype)
+                    else:
+                        table[name] = t.to(dtype)
+        if packed_linear_supported(model, dtype):
+            fused = set()
+            for m in model.modules():
+                act = getattr(m, "intermediate_act_fn", None)
+                dense = getattr(m, "dense", None)
+                if type(m).__name__.endswith("Intermediate") and isinstance(dense, nn.Linear) and _exact_gelu(act):
+                    dense.forward = _packed_forward(dense, "gelu")
+                    acts.append((m, act))
+                    m.intermediate_act_fn = nn.Identity()
+                    fused.add(dense)
+                    patched.append(dense)
+            for m in model.modules():
+                if isinstance(m, nn.Linear) and m not in fused and "forward" not in m.__dict__:
+                    m.forward = _packed_forward(m, "none")
+                    patched.append(m)
+        yield model
+    finally:
+        for m in patched:
+            m.__dict__.pop("forward", None)
+        for m, act in acts:
+            m.intermediate_act_fn = act
+        for m, name, is_param, data in reversed(saved):
+            if is_param:
+                m._parameters[name].data = data
+            else:
+                m._buffers[name] = data
