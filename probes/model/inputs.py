@@ -118,6 +118,27 @@ def encode_text_batch(tokenizer, texts_a: Sequence[str], texts_b: Sequence[str] 
     return out
 
 
+def text_offsets(tokenizer, text_a: str, text_b: str | None = None
+                 ) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
+    """:func:`encode_texts`' pieces (no truncation) with each piece's segment (0 = a, 1 = b, None for special
+    tokens) and character span in its own text ((0, 0) for special tokens): ``(ids, segments, offsets)``."""
+    sep = pair_separator(tokenizer) if text_b is not None else None
+    if sep is None:
+        texts = [text_a] if text_b is None else [text_a, text_b]
+        enc = tokenizer(*texts, return_offsets_mapping=True)
+        return list(enc["input_ids"]), list(enc.sequence_ids()), [tuple(o) for o in enc["offset_mapping"]]
+    first, last = special_ids(tokenizer)
+    ids, seg, offsets = list(first), [None] * len(first), [(0, 0)] * len(first)
+    for k, text in enumerate((text_a, text_b)):
+        if k:
+            ids, seg, offsets = ids + sep, seg + [None] * len(sep), offsets + [(0, 0)] * len(sep)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids += list(enc["input_ids"])
+        seg += [k] * len(enc["input_ids"])
+        offsets += [tuple(o) for o in enc["offset_mapping"]]
+    return ids + list(last), seg + [None] * len(last), offsets + [(0, 0)] * len(last)
+
+
 def _longest_first(a: list[int], b: list[int], budget: int | None) -> tuple[list[int], list[int]]:
     """``a`` and ``b`` cut to ``budget`` pieces together, one piece at a time from the longer (b on a tie)."""
     if budget is None:
