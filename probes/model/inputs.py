@@ -11,9 +11,9 @@ A causal LM's tokenizer has no such form (GPT-2 and Qwen put nothing between the
 BOS), so pairs of a tokenizer whose own pair template has no separator token between the segments are
 joined by :func:`pair_separator` as ``[first special] A <sep> B [last special]`` (the decoder pair form):
 ``<sep>`` is the tokenizer's separator token, or its EOS where it has none (SmolLM2, GPT-2, Llama, Qwen);
-the specials around are those of one sequence (a BOS where the tokenizer adds one); byte-level BPE words
-keep their prefix space in both segments (B's pieces are those of B alone). Nothing follows B, so a
-classifier's last real token is B's last piece.
+the specials around are those of one sequence (a BOS where the tokenizer adds one); each segment has the
+pieces it has alone (pre-split words as :func:`encode_words` makes them: byte-level BPE words with their
+prefix space, in B as in A). Nothing follows B, so a classifier's last real token is B's last piece.
 """
 
 from __future__ import annotations
