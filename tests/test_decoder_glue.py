@@ -91,6 +91,20 @@ def test_encoder_pairs_keep_the_tokenizers_own_form():
     assert e.input_ids == tok("the cat", "a dog")["input_ids"] and e.token_type_ids == [0, 0, 0, 0, 1, 1, 1]
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+def test_encoder_families_have_no_decoder_pair_form(family):
+    """Every encoder family's tokenizer puts its separator between the segments: the decoder form is never used."""
+    tok = tiny.make_tokenizer(family)
+    assert pair_separator(tok) is None
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "olmo2"])
+def test_decoder_families_join_pairs_by_their_eos(family):
+    """Every decoder family's tokenizer gets the decoder pair form, joined by its EOS."""
+    tok = tiny.make_tokenizer(family)
+    assert pair_separator(tok) == [tok.eos_token_id]
+
+
 @pytest.mark.parametrize("family", list(BOS))
 def test_decoder_text_pairs_truncate_longest_first(models, family):
     """Raw-text pairs (the GLUE datamodule's path): ``[BOS] a <eos> b`` of the texts' own pieces; truncation
