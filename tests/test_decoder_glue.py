@@ -21,7 +21,7 @@ from probes.data.glue import GlueExample, read_glue
 from probes.glue.datamodule import tokenize
 from probes.glue.evaluate import make_batches
 from probes.glue.export import load_finetuned
-from probes.glue.module import SequenceClassifier
+from probes.glue.module import SequenceClassifier, classification_pooling
 from probes.model import tiny
 from probes.model.inputs import (encode_text_batch, encode_texts, encode_word_pairs, pair_separator,
                                  pooling_matrix)
@@ -224,3 +224,15 @@ def test_linguistic_attention_glue_alignment_on_a_decoder(models, family):
         assert (w == -1) == (i in special)
     words = [it.words[w]["text"] for w in it.word_of_piece if w >= 0]
     assert words[0] == "The" and "Unbelievably" in words and words[-1] == "."
+
+
+def test_classifier_pooling_follows_the_family(models):
+    """A causal LM's classifier reads the last real token (the config default ``pooler`` becomes ``last``;
+    ``cls`` is an error naming the option); ``last`` on an encoder is an error."""
+    dec, enc = load_encoder(str(models["gpt2"])), tiny_bert()
+    assert classification_pooling(dec, "pooler") == classification_pooling(dec, "last") == "last"
+    with pytest.raises(ValueError, match="probe.pooling=last"):
+        classification_pooling(dec, "cls")
+    with pytest.raises(ValueError, match="for causal LMs"):
+        classification_pooling(enc, "last")
+    assert classification_pooling(enc, "cls") == "cls"
