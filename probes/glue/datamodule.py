@@ -16,20 +16,26 @@ import torch
 from torch.utils.data import DataLoader
 
 from probes.data.glue import GlueExample, glue_files, missing_file_message, read_glue, task_spec
+from probes.model.inputs import encode_text_batch
 
 log = logging.getLogger(__name__)
 
 
 def tokenize(tokenizer, examples: list[GlueExample], max_length: int, regression: bool) -> list[dict]:
-    """One feature dict per example (`input_ids`, `token_type_ids`, `attention_mask`, `labels`, `idx`)."""
+    """One feature dict per example (`input_ids`, `token_type_ids` where the tokenizer has them, `attention_mask`,
+    `labels`, `idx`); pairs as the model layer joins them (:func:`probes.model.inputs.encode_text_batch`:
+    ``[CLS] A [SEP] B [SEP]`` for encoders, ``[BOS] A <sep> B`` for causal LMs)."""
     if not examples:
         return []
     a = [e.text_a for e in examples]
     b = [e.text_b for e in examples] if examples[0].text_b is not None else None
-    enc = tokenizer(a, b, truncation=True, max_length=max_length)
+    encoded = encode_text_batch(tokenizer, a, b, max_length=max_length, truncation=True)
     feats = []
-    for i, e in enumerate(examples):
-        f = {k: enc[k][i] for k in ("input_ids", "token_type_ids", "attention_mask") if k in enc}
+    for enc, e in zip(encoded, examples):
+        f = {"input_ids": enc.input_ids}
+        if enc.token_type_ids is not None:
+            f["token_type_ids"] = enc.token_type_ids
+        f["attention_mask"] = [1] * enc.n_pieces
         f["labels"] = float(e.label) if regression else int(e.label)
         f["idx"] = e.idx
         feats.append(f)

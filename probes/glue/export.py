@@ -3,7 +3,8 @@
 Written by :func:`export_hf` (``probes.glue.callbacks.HFExport``, ``<run dir>/hf_model``): a Hugging Face
 folder (``save_pretrained``: config, weights, tokenizer) plus ``glue_task.json`` (:data:`EXPORT_INFO`: task,
 number of labels, main metric, pooling, encoder, frozen or not, layer decay). Architectures whose
-classification head is pooler -> dropout -> ``classifier`` Linear (BERT family) are saved as a
+classification head is pooler -> dropout -> ``classifier`` Linear (BERT family) and causal LMs (last real
+token -> ``score`` Linear without bias: Llama, Qwen, GPT-2, ...; pooling ``last``) are saved as a
 ``*ForSequenceClassification``; any other family as its bare encoder plus ``head.pt`` (the head's weights),
 read back as an :class:`EncoderWithHead` with the same logits as the trained module.
 
@@ -25,7 +26,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from probes.data.glue import task_spec
-from probes.glue.module import SequenceClassifier
+from probes.glue.module import SequenceClassifier, pool
 from probes.model import hooks
 from probes.model.load import Encoder, freeze, load_tokenizer
 
@@ -35,26 +36,38 @@ EXPORT_INFO = "glue_task.json"  # beside the weights: what the model was fine-tu
 
 
 # ----------------------------------------------------------------------------- writing
+# pooling -> the *ForSequenceClassification attribute holding the head's Linear
+HF_HEADS = {"pooler": "classifier", "last": "score"}
+
+
 def to_hf(module: SequenceClassifier, state_dict: dict | None = None) -> torch.nn.Module:
     """A `*ForSequenceClassification` model (eager attention) with ``module``'s encoder and head.
 
     `state_dict`: a Lightning checkpoint's `state_dict` (e.g. the best epoch) instead of the module's
     current weights. Requires `pooling='pooler'` and an architecture whose classification head is
-    pooler -> dropout -> `classifier` Linear (BERT-family); raises ValueError otherwise.
+    pooler -> dropout -> `classifier` Linear (BERT-family), or `pooling='last'` (causal LMs: transformers
+    pools the rightmost token that is not the pad token, the module the last one its attention mask keeps:
+    the same token for right-padded rows not ending in the pad token); raises ValueError otherwise.
     """
-    if module.hparams.pooling != "pooler":
-        raise ValueError("to_hf needs pooling='pooler' (BertForSequenceClassification uses the pooler)")
+    pooling = module.pooling
+    if pooling not in HF_HEADS:
+        raise ValueError(f"to_hf needs pooling in {sorted(HF_HEADS)}, got {pooling!r} (BertForSequenceClassification "
+                         "uses the pooler, a decoder's the last token)")
     cfg = copy.deepcopy(module.hf_config)
     cfg.num_labels = module.spec.num_labels
     cfg.problem_type = "regression" if module.spec.num_labels == 1 else "single_label_classification"
     cfg.finetuning_task = module.task
     cfg.classifier_dropout = module.dropout.p
     cfg.architectures = None
+    if pooling == "last" and getattr(cfg, "pad_token_id", None) is None:
+        raise ValueError("a decoder's *ForSequenceClassification finds the last token by config.pad_token_id, "
+                         "which is not set")
     model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager")
     base = model.base_model
-    clf = getattr(model, "classifier", None)
-    if not isinstance(clf, torch.nn.Linear) or clf.weight.shape != module.head.weight.shape:
-        raise ValueError(f"{type(model).__name__} has no compatible `classifier` Linear")
+    clf = getattr(model, HF_HEADS[pooling], None)
+    if not isinstance(clf, torch.nn.Linear) or clf.weight.shape != module.head.weight.shape \
+            or (clf.bias is None) != (module.head.bias is None):
+        raise ValueError(f"{type(model).__name__} has no compatible `{HF_HEADS[pooling]}` Linear")
     if state_dict is None:
         enc_sd, head_sd = module.encoder.state_dict(), module.head.state_dict()
     else:
@@ -84,7 +97,7 @@ def export_hf(module: SequenceClassifier, dirpath: str | Path, state_dict: dict 
     module.tokenizer.save_pretrained(d)
     hp = module.hparams
     info = dict(task=module.task, num_labels=module.spec.num_labels, main_metric=module.spec.main_metric,
-                pooling=hp.pooling, encoder=module.encoder_name, freeze_encoder=bool(hp.freeze_encoder),
+                pooling=module.pooling, encoder=module.encoder_name, freeze_encoder=bool(hp.freeze_encoder),
                 layer_decay=float(hp.layer_decay))
     (d / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     log.info("saved Hugging Face model to %s", d)
@@ -161,8 +174,8 @@ class EncoderWithHead(torch.nn.Module):
 
     def __init__(self, encoder: torch.nn.Module, head: torch.nn.Linear, pooling: str):
         super().__init__()
-        if pooling not in ("pooler", "cls"):
-            raise ValueError(f"pooling must be 'pooler' or 'cls', got {pooling!r}")
+        if pooling not in ("pooler", "cls", "last"):
+            raise ValueError(f"pooling must be 'pooler', 'cls' or 'last', got {pooling!r}")
         self.encoder, self.head, self.pooling = encoder, head, pooling
         self.config = encoder.config
 
@@ -175,7 +188,7 @@ class EncoderWithHead(torch.nn.Module):
         """(B, T) inputs -> output with ``.logits`` (B, num_labels)."""
         out = self.encoder(**hooks.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
                                                 token_type_ids=token_type_ids, inputs_embeds=inputs_embeds))
-        pooled = out.pooler_output if self.pooling == "pooler" else out.last_hidden_state[:, 0]  # (B, D)
+        pooled = pool(out, self.pooling, attention_mask)  # (B, D)
         return SequenceClassifierOutput(logits=self.head(pooled))
 
 

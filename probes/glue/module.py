@@ -6,6 +6,12 @@ hidden state, exactly as `BertForSequenceClassification`; `pooling: cls` uses th
 state instead, required for families without a pooler: DistilBERT, ELECTRA, DeBERTa-v2, ModernBERT),
 applies dropout and one linear layer: 2 logits with cross-entropy, or 1 score with MSE for STS-B.
 
+Causal LMs (the model layer's ``encoder.family.causal``) pool the **last real token** of each right-padded
+row (``pooling: last``, the only pooling that sees the whole sequence: a decoder's first token sees only
+itself), whatever ``pooling`` says (``cls`` is an error), and their head is a Linear without bias, as
+transformers' ``*ForSequenceClassification`` of decoders (``score``), so the export is one of those. The
+tokenizer's pad token (the model layer gives tokenizers without one their EOS) pads the batches.
+
 Optimisation, as every LightningModule of the project (:class:`probes.training.module.ProbeModule`): `optimizer`
 and `scheduler` are partials from the config (`conf/probe/sequence_classifier.yaml`: AdamW, lr 2e-5,
 weight decay 0.01; `transformers.get_linear_schedule_with_warmup`). The module builds the parameter
@@ -52,6 +58,38 @@ NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "LayerNorm.bias", "
 LEGACY_OPTIMIZER_HPARAMS = ("lr", "weight_decay", "adam_eps")
 
 
+def classification_pooling(encoder, pooling: str) -> str:
+    """The pooling a classifier on ``encoder`` uses: ``last`` for causal LMs (``pooler``, the config default,
+    becomes ``last``; ``cls`` is an error), ``pooling`` itself for encoders (``pooler`` or ``cls``)."""
+    if pooling not in ("pooler", "cls", "last"):
+        raise ValueError(f"pooling must be 'pooler', 'cls' or 'last', got {pooling!r}")
+    if encoder.family.causal:
+        if pooling == "cls":
+            raise ValueError(f"probe.pooling=cls on a causal LM ({encoder.family.model_type}): its first token sees "
+                             "only itself; decoders pool the last real token (probe.pooling=last)")
+        return "last"
+    if pooling == "last":
+        raise ValueError(f"probe.pooling=last is for causal LMs; {encoder.family.model_type} is an encoder "
+                         "(pooler or cls)")
+    return pooling
+
+
+def pool(out, pooling: str, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, D) sequence vectors of a base model's output: its pooler output, the hidden state at position 0
+    (``cls``), or at the last real token of each right-padded row (``last``; all tokens without a mask)."""
+    if pooling == "pooler":
+        return out.pooler_output  # (B, D)
+    hidden = out.last_hidden_state  # (B, T, D)
+    if pooling == "cls":
+        return hidden[:, 0]
+    B, T = hidden.shape[:2]
+    if attention_mask is None:
+        return hidden[:, -1]
+    positions = torch.arange(T, device=hidden.device)  # (T,)
+    last = (positions * attention_mask.to(hidden.device).long()).argmax(-1)  # (B,) rightmost real token
+    return hidden[torch.arange(B, device=hidden.device), last]  # (B, D)
+
+
 class SequenceClassifier(ProbeModule):
     """The encoder's base model + pooling + dropout + a linear head, fine-tuned on one GLUE task.
 
@@ -65,7 +103,8 @@ class SequenceClassifier(ProbeModule):
         warmup_ratio: share of all optimizer steps with a linear warmup (scheduler argument).
         dropout: before the head; None: the encoder config's ``classifier_dropout`` / ``hidden_dropout_prob``.
         freeze_encoder: train the head only (the encoder stays frozen and in eval mode).
-        pooling: ``pooler`` (the encoder's pooler on [CLS]) or ``cls`` (the raw [CLS] hidden state).
+        pooling: ``pooler`` (the encoder's pooler on [CLS]) or ``cls`` (the raw [CLS] hidden state); causal
+            LMs always ``last`` (the last real token; module doc).
         layer_decay: layer-wise learning-rate factor (see the module docstring).
     """
 
@@ -96,19 +135,19 @@ class SequenceClassifier(ProbeModule):
         self.encoder.train(not freeze_encoder)  # Encoder.model is in eval mode; Lightning keeps submodule modes
         if not layer_decay > 0:
             raise ValueError(f"layer_decay must be > 0, got {layer_decay}")
-        if pooling not in ("pooler", "cls"):
-            raise ValueError(f"pooling must be 'pooler' or 'cls', got {pooling!r}")
-        if pooling == "pooler" and getattr(self.encoder, "pooler", None) is None:
+        self.pooling = classification_pooling(encoder, pooling)
+        if self.pooling == "pooler" and getattr(self.encoder, "pooler", None) is None:
             raise ValueError(f"pooling='pooler' but {type(self.encoder).__name__} has no pooler; set probe.pooling=cls "
                              f"(the raw [CLS] hidden state)")
         if dropout is None:
             dropout = getattr(self.hf_config, "classifier_dropout", None)
             dropout = dropout if dropout is not None else getattr(self.hf_config, "hidden_dropout_prob", 0.1)
         self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(self.hf_config.hidden_size, self.spec.num_labels)
+        self.head = nn.Linear(self.hf_config.hidden_size, self.spec.num_labels, bias=self.pooling != "last")
         std = getattr(self.hf_config, "initializer_range", 0.02)
         nn.init.normal_(self.head.weight, std=std)
-        nn.init.zeros_(self.head.bias)
+        if self.head.bias is not None:
+            nn.init.zeros_(self.head.bias)
         self._encoder_layers: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ model
@@ -122,11 +161,7 @@ class SequenceClassifier(ProbeModule):
         """(B, T) ids, mask and token types (dropped for families without them) -> (B, num_labels) logits."""
         out = self.encoder(**hooks.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
                                                 token_type_ids=token_type_ids))
-        if self.hparams.pooling == "pooler":
-            pooled = out.pooler_output  # (B, D)
-        else:
-            pooled = out.last_hidden_state[:, 0]  # (B, D)
-        return self.head(self.dropout(pooled))
+        return self.head(self.dropout(pool(out, self.pooling, attention_mask)))
 
     def loss(self, logits, labels):
         """Cross-entropy over the labels, MSE for the regression task (STS-B)."""

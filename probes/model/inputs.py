@@ -5,6 +5,15 @@ BERT-style vocabularies, <s> ... </s> for RoBERTa-style ones, ``<s> ...`` (BOS o
 LMs, bare pieces for GPT-2-style ones. Word pooling uses (W, T) matrices with W = words + 2 always: row 0
 is the first special, row W - 1 the last; a special the tokenizer does not add is an empty (all-zero) row
 and column, so every cache keeps one layout.
+
+Sentence pairs: an encoder's tokenizer joins them itself (``[CLS] A [SEP] B [SEP]``, ``<s> A </s></s> B </s>``).
+A causal LM's tokenizer has no such form (GPT-2 and Qwen put nothing between the segments, Llama a second
+BOS), so pairs of a tokenizer whose own pair template has no separator token between the segments are
+joined by :func:`pair_separator` as ``[first special] A <sep> B [last special]`` (the decoder pair form):
+``<sep>`` is the tokenizer's separator token, or its EOS where it has none (SmolLM2, GPT-2, Llama, Qwen);
+the specials around are those of one sequence (a BOS where the tokenizer adds one); each segment has the
+pieces it has alone (pre-split words as :func:`encode_words` makes them: byte-level BPE words with their
+prefix space, in B as in A). Nothing follows B, so a classifier's last real token is B's last piece.
 """
 
 from __future__ import annotations
@@ -78,12 +87,88 @@ def _encode_word_by_word(tokenizer, words: list[str]) -> tuple[list[int], list[i
 
 def encode_texts(tokenizer, text_a: str, text_b: str | None = None, max_length: int | None = None,
                  truncation: bool = False) -> Encoded:
-    """One (pair of) raw text(s) as the model's tokenizer makes it: ``[CLS] a [SEP] (b [SEP])``."""
-    kw = dict(truncation=truncation, max_length=max_length) if truncation else {}
-    enc = tokenizer(text_a, text_b, **kw) if text_b is not None else tokenizer(text_a, **kw)
-    ids = list(enc["input_ids"])
-    tt = list(enc["token_type_ids"]) if "token_type_ids" in enc else None
-    return Encoded(ids, [-1] * len(ids), 0, tt)
+    """One (pair of) raw text(s) as the model reads it: ``[CLS] a [SEP] (b [SEP])`` as the tokenizer makes it,
+    or the decoder pair form (module doc) for a causal LM's pair; :func:`encode_text_batch` of one."""
+    return encode_text_batch(tokenizer, [text_a], None if text_b is None else [text_b], max_length, truncation)[0]
+
+
+def encode_text_batch(tokenizer, texts_a: Sequence[str], texts_b: Sequence[str] | None = None,
+                      max_length: int | None = None, truncation: bool = False) -> list[Encoded]:
+    """Raw texts (pairs when ``texts_b``), each as :func:`encode_texts`; ``truncation`` to ``max_length``
+    pieces, specials included, cutting the longer segment first. ``word_of_piece`` is -1 throughout
+    (raw texts have no words)."""
+    if not texts_a:
+        return []
+    kw = dict(truncation=True, max_length=max_length) if truncation else {}
+    sep = pair_separator(tokenizer) if texts_b is not None else None
+    if sep is None:
+        enc = tokenizer(list(texts_a), list(texts_b), **kw) if texts_b is not None else tokenizer(list(texts_a), **kw)
+        tts = enc["token_type_ids"] if "token_type_ids" in enc else [None] * len(texts_a)
+        return [Encoded(list(ids), [-1] * len(ids), 0, None if tt is None else list(tt))
+                for ids, tt in zip(enc["input_ids"], tts)]
+    first, last = special_ids(tokenizer)
+    pa = tokenizer(list(texts_a), add_special_tokens=False)["input_ids"]
+    pb = tokenizer(list(texts_b), add_special_tokens=False)["input_ids"]
+    budget = None if not truncation else int(max_length) - len(first) - len(sep) - len(last)
+    out = []
+    for a, b in zip(pa, pb):
+        a, b = _longest_first(list(a), list(b), budget)
+        ids = [*first, *a, *sep, *b, *last]
+        out.append(Encoded(ids, [-1] * len(ids), 0, None))
+    return out
+
+
+def text_offsets(tokenizer, text_a: str, text_b: str | None = None
+                 ) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
+    """:func:`encode_texts`' pieces (no truncation) with each piece's segment (0 = a, 1 = b, None for special
+    tokens) and character span in its own text ((0, 0) for special tokens): ``(ids, segments, offsets)``."""
+    sep = pair_separator(tokenizer) if text_b is not None else None
+    if sep is None:
+        texts = [text_a] if text_b is None else [text_a, text_b]
+        enc = tokenizer(*texts, return_offsets_mapping=True)
+        return list(enc["input_ids"]), list(enc.sequence_ids()), [tuple(o) for o in enc["offset_mapping"]]
+    first, last = special_ids(tokenizer)
+    ids, seg, offsets = list(first), [None] * len(first), [(0, 0)] * len(first)
+    for k, text in enumerate((text_a, text_b)):
+        if k:
+            ids, seg, offsets = ids + sep, seg + [None] * len(sep), offsets + [(0, 0)] * len(sep)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids += list(enc["input_ids"])
+        seg += [k] * len(enc["input_ids"])
+        offsets += [tuple(o) for o in enc["offset_mapping"]]
+    return ids + list(last), seg + [None] * len(last), offsets + [(0, 0)] * len(last)
+
+
+def _longest_first(a: list[int], b: list[int], budget: int | None) -> tuple[list[int], list[int]]:
+    """``a`` and ``b`` cut to ``budget`` pieces together, one piece at a time from the longer (b on a tie)."""
+    if budget is None:
+        return a, b
+    if budget < 2:
+        raise ValueError(f"max_length leaves {budget} pieces for a sentence pair")
+    na, nb = len(a), len(b)
+    while na + nb > budget:
+        if na > nb:
+            na -= 1
+        else:
+            nb -= 1
+    return a[:na], b[:nb]
+
+
+def pair_separator(tokenizer) -> list[int] | None:
+    """The ids between the two segments of the decoder pair form (module doc): None where the tokenizer's own
+    pair template puts its separator token between them (encoders: [SEP], </s></s>), else
+    ``[sep_token_id]`` or, without one, ``[eos_token_id]`` (causal LMs). Read from the tokenizer only."""
+    enc = tokenizer("a", "b", add_special_tokens=True)
+    ids, seq = list(enc["input_ids"]), enc.sequence_ids()
+    end_a = max(i for i, s in enumerate(seq) if s == 0)
+    start_b = min(i for i, s in enumerate(seq) if s == 1)
+    if tokenizer.sep_token_id is not None and tokenizer.sep_token_id in ids[end_a + 1:start_b]:
+        return None
+    sep = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    if sep is None:
+        raise ValueError(f"{type(tokenizer).__name__} joins sentence pairs without a separator and has neither a "
+                         "sep nor an eos token to put between them")
+    return [int(sep)]
 
 
 def pad(seqs: Sequence[Sequence[int]], pad_id: int, type_ids: Sequence[Sequence[int] | None] | None = None
@@ -152,15 +237,20 @@ def pool_attention(attn: torch.Tensor, from_mat: torch.Tensor, to_mat: torch.Ten
 
 def encode_word_pairs(tokenizer, pairs: Sequence[tuple[Sequence[str], Sequence[str]]]) -> list[Encoded]:
     """Sentence pairs of pre-split words as the tokenizer joins two segments: ``[CLS] A [SEP] B [SEP]``
-    (RoBERTa-style: ``<s> A </s></s> B </s>``), with its token types (None where it has none).
+    (RoBERTa-style: ``<s> A </s></s> B </s>``), with its token types (None where it has none); a causal LM's
+    tokenizer (no separator in its pair template): the decoder pair form ``[BOS] A <sep> B`` (module doc,
+    :func:`pair_separator`), no token types.
 
-    ``word_of_piece``: -1 for the first special token, 0..nA-1 for A's words, nA..nA+nB-1 for B's,
-    ``n_words`` = nA + nB for every other special token (the separator(s) between the segments and
-    the last one), so pooling puts every separator into the last special row.
+    ``word_of_piece``: -1 for the first special token (BOS; none without one), 0..nA-1 for A's words,
+    nA..nA+nB-1 for B's, ``n_words`` = nA + nB for every other special token (the separator(s) between
+    the segments and the last one), so pooling puts every separator into the last special row.
     """
     pairs = [(list(a), list(b)) for a, b in pairs]
     if not pairs:
         return []
+    sep = pair_separator(tokenizer)
+    if sep is not None:
+        return _decoder_word_pairs(tokenizer, pairs, sep)
     out = tokenizer([a for a, _ in pairs], [b for _, b in pairs], is_split_into_words=True, add_special_tokens=True)
     encoded = []
     for k, (a, b) in enumerate(pairs):
@@ -174,6 +264,23 @@ def encode_word_pairs(tokenizer, pairs: Sequence[tuple[Sequence[str], Sequence[s
         wop = [-1 if i == 0 else n if w is None else w + (len(a) if s == 1 else 0)
                for i, (w, s) in enumerate(zip(wids, seq))]
         encoded.append(Encoded(list(ids), wop, n, tt))
+    return encoded
+
+
+def _decoder_word_pairs(tokenizer, pairs: list[tuple[list[str], list[str]]], sep: list[int]) -> list[Encoded]:
+    """The decoder pair form of pre-split words: each segment's pieces as :func:`encode_words` makes them
+    (its specials dropped), joined as ``first A sep B last`` with the specials of one sequence."""
+    first, last = special_ids(tokenizer)
+    segs = encode_words(tokenizer, [s for pair in pairs for s in pair])
+    encoded = []
+    for k, (a, b) in enumerate(pairs):
+        ea, eb = segs[2 * k], segs[2 * k + 1]
+        n = len(a) + len(b)
+        pa = [(i, w) for i, w in zip(ea.input_ids, ea.word_of_piece) if 0 <= w < len(a)]
+        pb = [(i, w + len(a)) for i, w in zip(eb.input_ids, eb.word_of_piece) if 0 <= w < len(b)]
+        ids = [*first, *(i for i, _ in pa), *sep, *(i for i, _ in pb), *last]
+        wop = [-1] * len(first) + [w for _, w in pa] + [n] * len(sep) + [w for _, w in pb] + [n] * len(last)
+        encoded.append(Encoded(ids, wop, n, None))
     return encoded
 
 

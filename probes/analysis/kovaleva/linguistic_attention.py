@@ -74,7 +74,7 @@ from probes.analysis.tables import layer_head_frame
 from probes.data.glue import read_glue, task_spec
 from probes.model.families import usable_max_length
 from probes.model.hooks import iter_attention
-from probes.model.inputs import Encoded, encode_texts, encode_words
+from probes.model.inputs import Encoded, encode_texts, encode_words, text_offsets
 
 log = logging.getLogger(__name__)
 
@@ -378,8 +378,8 @@ def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | 
         if encoded.n_pieces < min_length or (max_length is not None and encoded.n_pieces > max_length):
             skipped += 1
             continue
-        enc = tokenizer(*texts, return_offsets_mapping=True)  # the same pieces, with character offsets
-        if list(enc["input_ids"]) != encoded.input_ids:
+        ids, seq, offsets = text_offsets(tokenizer, *texts)  # the same pieces, with character offsets
+        if ids != encoded.input_ids:
             raise ValueError(f"example {i}: tokenizing with offsets changed the pieces")
         docs = list(nlp.pipe(texts))
         base, words = [], []
@@ -389,9 +389,8 @@ def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | 
             words += [dict(text=t.text, upos=t.pos_, xpos=t.tag_, deprel=t.dep_,
                            head=-1 if t.head.i == t.i else b + t.head.i, scheme="clearnlp") for t in d]
         c2t = [_char_to_token(d) for d in docs]
-        seq = enc.sequence_ids()
         wop = []
-        for j, (s, (st, en)) in enumerate(zip(seq, enc["offset_mapping"])):
+        for j, (s, (st, en)) in enumerate(zip(seq, offsets)):
             if s is None or en <= st:
                 wop.append(-1)
                 continue
