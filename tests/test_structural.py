@@ -180,6 +180,39 @@ def test_distance_probe_learns_a_chain_treebank(chain_dir):
     assert 0 < m["data/train_cache_mb"] and m["test/dspr"] > 0.8
 
 
+def test_standardized_states_use_the_train_moments_and_still_learn(chain_dir):
+    from hydra.utils import instantiate
+
+    over = chain_overrides(chain_dir / "data", chain_dir) + ["data.extract_in_child=false", "data.num_workers=0"]
+    cfg = compose_train(over + ["experiment=table3_structural", "data.layer=1", "data.standardize=true"])
+    dm = instantiate(cfg.data)
+    dm.prepare_data()
+    dm.setup("fit")
+    train = dm.data["train"]
+    raw = np.concatenate([train.cache.layer(i, 1).astype(np.float64) for i in train.indices])  # (words, D)
+    np.testing.assert_allclose(dm.shift, raw.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dm.scale, raw.std(0), rtol=1e-4, atol=1e-6)
+    served = torch.cat([dm.dataset("train")[k]["hidden"] for k in range(len(train.indices))]).double()
+    np.testing.assert_allclose(served.mean(0).numpy(), 0, atol=1e-4)
+    np.testing.assert_allclose(served.std(0, unbiased=False).numpy(), 1, atol=1e-3)
+    dev = dm.data["val"]  # the other splits use the train moments, not their own
+    item = dm.dataset("val")[0]["hidden"].numpy()
+    np.testing.assert_allclose(item, (dev.cache.layer(dev.indices[0], 1) - dm.shift) / dm.scale, rtol=1e-5, atol=1e-5)
+    m = _run(chain_dir, "standardized", ["experiment=table3_structural", "data.layer=0", "trainer.max_epochs=12",
+                                         "probe.optimizer.lr=0.01", "probe.scheduler=null", "data.batch_size=10",
+                                         "data.standardize=true"])
+    assert m["test/uuas"] > 0.95
+
+
+def test_standardize_must_be_a_boolean(chain_dir):
+    from hydra.utils import instantiate
+
+    cfg = compose_train(chain_overrides(chain_dir / "data", chain_dir) + ["experiment=table3_structural",
+                                                                         "data.standardize=yes please"])
+    with pytest.raises(Exception, match="data.standardize must be true or false"):
+        instantiate(cfg.data)
+
+
 @pytest.mark.parametrize("family", ["roberta"])
 def test_depth_and_directed_probes_on_another_family(chain_dir, family):
     enc = ["encoder=tiny_family", f"encoder.family={family}", f"encoder.root={chain_dir / 'models'}",

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import logging
+
 import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
 
 from probes.data.conllu import Sentence
 from probes.extract.representations import RepresentationCache, ensure_hidden_caches
 from probes.structural.trees import depths, distances
 from probes.training.datamodule import TreebankDataModule, TreebankSplit
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,10 +36,13 @@ class HiddenSplit(TreebankSplit):
 
 
 class HiddenDataset(Dataset):
-    """Items of one split: the sentence's layer-``layer`` word vectors (n, D) and its gold trees."""
+    """Items of one split: the sentence's layer-``layer`` word vectors (n, D) and its gold trees.
 
-    def __init__(self, split: HiddenSplit, layer: int):
-        self.split, self.layer = split, layer
+    ``shift`` / ``scale`` (D,), when given, standardize every vector: ``(h - shift) / scale``."""
+
+    def __init__(self, split: HiddenSplit, layer: int, shift: np.ndarray | None = None,
+                 scale: np.ndarray | None = None):
+        self.split, self.layer, self.shift, self.scale = split, layer, shift, scale
 
     def __len__(self) -> int:
         return len(self.split.indices)
@@ -42,8 +50,10 @@ class HiddenDataset(Dataset):
     def __getitem__(self, k: int) -> dict:
         i = self.split.indices[k]
         heads = self.split.heads[i].astype(np.int64)
-        h = self.split.cache.layer(i, self.layer)  # (n, D) float16
-        return dict(index=i, hidden=torch.from_numpy(h.astype(np.float32)), heads=torch.from_numpy(heads),
+        h = self.split.cache.layer(i, self.layer).astype(np.float32)  # (n, D)
+        if self.shift is not None:
+            h = (h - self.shift) / self.scale
+        return dict(index=i, hidden=torch.from_numpy(h), heads=torch.from_numpy(heads),
                     punct=torch.from_numpy(self.split.punct[i]),
                     distances=torch.from_numpy(distances(heads, self.split.where[i])),
                     depths=torch.from_numpy(depths(heads, self.split.where[i])))
@@ -71,6 +81,21 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
                 heads=heads, punct=punct, lengths=lengths)
 
 
+def layer_moments(split: HiddenSplit, layer: int, floor: float = 1e-6) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per-dimension mean and standard deviation (D,), float32, of layer ``layer``'s word vectors over every
+    word of ``split`` (float64 sums; the deviation floored at ``floor`` so constant dimensions stay finite),
+    and the number of words."""
+    total, total_sq, count = 0.0, 0.0, 0
+    for i in tqdm(split.indices, desc=f"moments of layer {layer}", leave=False, disable=None):
+        h = split.cache.layer(i, layer).astype(np.float64)  # (n, D)
+        total, total_sq, count = total + h.sum(0), total_sq + (h * h).sum(0), count + len(h)
+    if count == 0:
+        raise ValueError("no train words to standardize with (data.standardize=true)")
+    mean = total / count  # (D,)
+    std = np.sqrt(np.maximum(total_sq / count - mean * mean, 0.0))  # (D,)
+    return mean.astype(np.float32), np.maximum(std, floor).astype(np.float32), count
+
+
 class StructuralDataModule(TreebankDataModule):
     """Builds (or reuses) the hidden-state caches in `prepare_data`, then serves layer ``layer`` lazily.
 
@@ -78,6 +103,11 @@ class StructuralDataModule(TreebankDataModule):
         hidden: ``{layers: null | [l, ...], pooling: mean | first}``: the layers stored in the cache (null:
             all, 0..L) and the piece -> word pooling; both are part of the cache key.
         layer: the layer served; must be one of the stored ones.
+        standardize: ``false`` serves the stored states as they are (Hewitt & Manning); ``true`` shifts and
+            scales every dimension to mean 0 and standard deviation 1 over the train split's words (the
+            statistics of layer ``layer``, computed once in `setup`, logged, and applied to every split).
+            Decoders' states carry a few dimensions thousands of times larger than the rest on the first
+            word ("massive activations"); standardizing keeps them from swamping the probe's distances.
         Others: see :class:`~probes.training.datamodule.TreebankDataModule` (``conf/data/hidden_probe.yaml``).
     """
 
@@ -86,10 +116,14 @@ class StructuralDataModule(TreebankDataModule):
     def __init__(self, name: str, treebank: DictConfig, encoder: DictConfig, extract: DictConfig,
                  hidden: DictConfig, layer: int, cache_dir: str, splits: DictConfig, max_sentences: DictConfig,
                  batch_size: int = 20, max_pairs: int = 10000, num_workers: int = 0, seed: int = 0,
-                 extract_in_child: bool = True):
+                 extract_in_child: bool = True, standardize: bool = False):
         super().__init__(name, treebank, encoder, extract, cache_dir, splits, max_sentences, batch_size, max_pairs,
                          num_workers, seed, extract_in_child)
-        self.layer, self.hidden_cfg = int(layer), hidden
+        if not isinstance(standardize, bool):
+            raise ValueError(f"data.standardize must be true or false, got {standardize!r}")
+        self.layer, self.hidden_cfg, self.standardize = int(layer), hidden, standardize
+        self.shift: np.ndarray | None = None  # (D,) train mean of layer `layer`, when standardizing
+        self.scale: np.ndarray | None = None  # (D,) train standard deviation (floored), when standardizing
 
     def build_caches(self, splits: list[str]) -> dict[str, RepresentationCache]:
         """Per-word hidden-state caches (:func:`probes.extract.representations.ensure_hidden_caches`)."""
@@ -105,6 +139,13 @@ class StructuralDataModule(TreebankDataModule):
         path = self.treebank.path(split)
         return HiddenSplit(**common, where=[f"{path}:{x.line_no}" for x in sentences])
 
+    def finish(self, loaded: dict[str, HiddenSplit]) -> None:
+        """With ``standardize``: the train split's per-dimension mean and standard deviation of ``layer``."""
+        if self.standardize:
+            self.shift, self.scale, words = layer_moments(loaded["train"], self.layer)
+            log.info("%s: layer %d standardized with the train split's moments (%d words; std %.3g .. %.3g)",
+                     self.name, self.layer, words, float(self.scale.min()), float(self.scale.max()))
+
     @property
     def dim(self) -> int:
         """Hidden size of the cached states (the encoder config's)."""
@@ -116,4 +157,4 @@ class StructuralDataModule(TreebankDataModule):
 
     def dataset(self, stage: str) -> HiddenDataset:
         """The items of ``stage``, layer ``layer``."""
-        return HiddenDataset(self.data[stage], self.layer)
+        return HiddenDataset(self.data[stage], self.layer, self.shift, self.scale)
