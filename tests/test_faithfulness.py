@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from scipy.stats import spearmanr
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from probes.analysis.beyond.faithfulness import (METRICS, Classifier, make_items, merge, paper_numbers, score_example,
-                                                 top_counts)
+from probes.analysis.beyond.faithfulness import (METRICS, Classifier, make_items, map_importance, merge, paper_numbers,
+                                                 score_example, top_counts)
 from probes.analysis.context import AnalysisContext, run_analysis
 from probes.analysis.stats import bootstrap_mean
 from probes.data.glue import GlueExample
@@ -29,6 +29,7 @@ from probes.measures.gradient import GradAttribution
 from probes.measures.rollout import Flow
 from probes.measures.saliency import HeadAttributionRows, logit_attributions
 from probes.model import hooks
+from probes.model.families import set_padding
 from probes.model.fixed_inputs import fixed_inputs
 from probes.model.tiny import FAMILIES, tiny_folder
 
@@ -59,7 +60,7 @@ def make_run(family: str, task: str, root: Path) -> Path:
         return run
     torch.manual_seed(3)
     clf = AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=2)
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = set_padding(AutoTokenizer.from_pretrained(str(folder)), clf.config)  # decoders: the EOS pads
     texts = [(s, None) for s in SST2] if task == "sst2" else MRPC + [(b, a) for a, b in MRPC]
     enc = tok([a for a, _ in texts], None if task == "sst2" else [b for _, b in texts], padding=True,
               return_tensors="pt")
@@ -173,6 +174,22 @@ def test_flow_rows_and_head_attribution_rows_equal_the_full_maps(root):
     torch.testing.assert_close(rows[..., 0, :], full[..., 0, :], atol=1e-9, rtol=0)
     assert rows[..., 1:, :].abs().max() == 0
     torch.testing.assert_close(gr[..., 0, :], ga[..., 0, :], atol=1e-6, rtol=1e-5)
+
+
+def test_negative_rows_count_from_each_sentences_end(root):
+    """rows=[-1] fills each sentence's last real piece of a right-padded batch, equal to the full maps' row."""
+    ft = load_finetuned(make_run("bert", "sst2", root))
+    ids = torch.tensor([[2, 40, 41, 42, 43, 44, 3], [2, 45, 46, 3, 0, 0, 0]])
+    mask = (torch.arange(7) < torch.tensor([[7], [4]])).long()  # (2, 7)
+    with torch.inference_mode():
+        full = torch.stack(Flow()(ft.model, ids, mask))  # (L, 2, 1, T, T)
+        last = torch.stack(Flow(rows=[-1])(ft.model, ids, mask))
+        ga = torch.stack(GradAttribution()(ft.model, ids, mask))  # (L, 2, H, T, T)
+        gl = torch.stack(HeadAttributionRows(rows=[-1])(ft.model, ids, mask))
+    for b, n in enumerate((7, 4)):
+        torch.testing.assert_close(last[:, b, :, n - 1], full[:, b, :, n - 1], atol=1e-9, rtol=0)
+        torch.testing.assert_close(gl[:, b, :, n - 1], ga[:, b, :, n - 1], atol=1e-6, rtol=1e-5)
+        assert last[:, b, :, :n - 1].abs().max() == 0 and gl[:, b, :, :n - 1].abs().max() == 0
 
 
 def test_logit_attributions_match_captum(root):
@@ -296,6 +313,29 @@ def test_analysis_runs_for_every_family(root, family, tmp_path):
         assert (out / "faithfulness.png").exists() and (out / "faithfulness_layers.png").exists()
         s = json.loads((out / "summary.json").read_text())["tasks"][task]
         assert s["n_examples"] == 2 and set(s["seconds_per_kind"]) >= set(kinds)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_decoders_read_the_last_row(root, family, tmp_path):
+    """On a decoder the pooled token is the last one: row -1 runs every kind (flow and grad_attribution on
+    that row only, through the config's interpolation) and scores each example by its last piece's row;
+    row 0 (a token that sees only itself) is refused before any work."""
+    run = make_run(family, "sst2", root)
+    with pytest.raises(ValueError, match="analysis.row=0"):
+        run_faithfulness(root, run, tmp_path / "zero", max_examples=2, n_boot=20, ig_steps=2)
+    res = run_faithfulness(root, run, tmp_path / "last", max_examples=2, n_boot=20, ig_steps=2, row=-1)
+    table = res.tables["faithfulness"]
+    assert np.isfinite(table[list(METRICS)].to_numpy(dtype=float)).all() and "flow" in set(table.kind)
+    s = json.loads((tmp_path / "last" / "summary.json").read_text())["tasks"]["sst2"]
+    assert s["row"] == -1
+    ft = load_finetuned(run)
+    [item], _ = make_items(ft.tokenizer, [GlueExample(SST2[0], None, 0, 0)], "word", 128)
+    ids = torch.tensor([item.ids])
+    with torch.inference_mode():
+        att = torch.stack(Attention()(ft.model.eval(), ids, torch.ones_like(ids)))  # (L, 1, H, T, T)
+    imp = map_importance(Attention(), ft.model, item, -1, "cpu")  # (L, T)
+    np.testing.assert_allclose(imp, att[:, 0, :, -1].float().mean(1).double().numpy(), atol=1e-6)
+    assert (imp[:, :-1] > 0).any()  # the last row reaches back over the sentence (row 0 would be [1, 0, ...])
 
 
 def test_bad_settings_are_named_before_work(root, tmp_path):

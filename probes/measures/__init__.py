@@ -57,6 +57,12 @@ def lengths(attention_mask: torch.Tensor) -> list[int]:
     return [int(n) for n in attention_mask.sum(-1).tolist()]
 
 
+def sentence_rows(rows, n: int) -> list[int]:
+    """Rows of a sentence of ``n`` pieces, in order: a negative row counts from the sentence's end (-1 = its
+    last piece: what a decoder's last-token classifier reads); rows outside the sentence are dropped."""
+    return [r for r in ((r + n if r < 0 else r) for r in rows) if 0 <= r < n]
+
+
 def per_sentence(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor, L: int, H: int) -> list[torch.Tensor]:
     """Run ``fn(ids (n,)) -> (L, H, n, n)`` on every sentence alone; L x (B, H, T, T) zero-padded."""
     B, T = input_ids.shape

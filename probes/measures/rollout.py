@@ -24,7 +24,7 @@ import torch
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
-from probes.measures import Measure, joint_maps
+from probes.measures import Measure, joint_maps, sentence_rows
 from probes.measures.attention import Attention
 
 
@@ -47,7 +47,7 @@ class Rollout(Measure):
 
 def flow_maps(aug: np.ndarray, scale: float = 1e9, rows=None) -> np.ndarray:
     """Attention flow of one sentence: aug (L, n, n) residual-augmented maps -> (L, n, n) row-normalised flows
-    (``rows``: only those rows of every layer, the others 0; None: all)."""
+    (``rows``: only those rows of every layer, the others 0; negative rows count from the end; None: all)."""
     L, n, _ = aug.shape
     N = (L + 1) * n
     if float(np.max(aug, initial=0.0)) * scale > np.iinfo(np.int32).max:
@@ -59,7 +59,7 @@ def flow_maps(aug: np.ndarray, scale: float = 1e9, rows=None) -> np.ndarray:
     out = np.zeros((L, n, n))
     for l in range(1, L + 1):
         g = csr_matrix(cap[:(l + 1) * n, :(l + 1) * n])  # nodes above layer l cannot be reached
-        for i in (range(n) if rows is None else [r for r in rows if r < n]):
+        for i in (range(n) if rows is None else sentence_rows(rows, n)):
             for j in range(n):
                 out[l - 1, i, j] = maximum_flow(g, l * n + i, j).flow_value
         out[l - 1] /= np.maximum(out[l - 1].sum(-1, keepdims=True), 1)
@@ -68,8 +68,8 @@ def flow_maps(aug: np.ndarray, scale: float = 1e9, rows=None) -> np.ndarray:
 
 class Flow(Measure):
     """Attention flow F_l, (B, 1, T, T) per layer; sentences of at most ``max_pieces`` pieces. ``rows``: only
-    those rows (e.g. ``[0]``, the first special token's: L * n max-flow problems instead of L * n^2), the
-    others 0; None: all."""
+    those rows (e.g. ``[0]``, the first special token's, ``[-1]`` each sentence's last piece: L * n max-flow
+    problems instead of L * n^2), the others 0; None: all."""
 
     per_head = False
 

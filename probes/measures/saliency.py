@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from probes.measures import Measure, per_sentence
+from probes.measures import Measure, per_sentence, sentence_rows
 from probes.measures.gradflow import (attribution_distribution, ig_baseline, input_x_gradient, integrated_gradients,
                                       layer_head_scalars_fn, num_layers, word_embeddings)
 from probes.model import hooks
@@ -53,7 +53,8 @@ def logit_attributions(model: torch.nn.Module, input_ids: torch.Tensor, target: 
 
 
 class HeadAttributionRows(Measure):
-    """``grad_attribution`` maps with only ``rows`` filled (the others 0), (B, H, T, T) per layer."""
+    """``grad_attribution`` maps with only ``rows`` filled (the others 0), (B, H, T, T) per layer; a negative
+    row counts from each sentence's end (-1: its last piece)."""
 
     per_head = True
 
@@ -69,7 +70,7 @@ class HeadAttributionRows(Measure):
 
         def one(ids: torch.Tensor) -> torch.Tensor:
             n = ids.shape[0]
-            rows = [r for r in self.rows if r < n]
+            rows = sentence_rows(self.rows, n)
             with torch.inference_mode(False), torch.enable_grad():
                 out = torch.zeros(L, H, n, n)  # (L, H, n, n)
                 ids = ids.clone()

@@ -3,8 +3,9 @@
 For every example of a GLUE split (single sentences, or pairs) and every map kind of
 :mod:`probes.measures` (``kinds``; built by ``ctx.measure(kind)`` from ``extract.measures``, or from this
 analysis's ``measures`` node, which holds row-restricted versions of the expensive kinds: ``flow`` and
-``grad_attribution`` computed for the [CLS] row only, same numbers), the **importance of each input token for
-the prediction** is read from the map: row ``row`` (0 = [CLS] / <s>) of layer ``layer`` (every layer is
+``grad_attribution`` computed for row ``row`` only, same numbers), the **importance of each input token for
+the prediction** is read from the map: row ``row`` (0 = [CLS] / <s>; -1 = the last piece, the token a
+decoder's classifier pools; 0 is refused on a causal model) of layer ``layer`` (every layer is
 scored too), averaged over the layer's heads for per-head kinds. Units (``level``): ``word`` (whitespace
 words of the GLUE text; a word's importance = the sum over its pieces, as the cache's ``to_words=sum``)
 or ``piece``. Special tokens are never units and never removed.
@@ -64,9 +65,10 @@ from probes.analysis.stats import bootstrap_mean, spearman_rows
 from probes.data.glue import GlueExample, read_glue, task_spec
 from probes.glue.export import hf_folder
 from probes.io import atomic_write
-from probes.measures import Measure
+from probes.measures import Measure, sentence_rows
 from probes.measures.saliency import logit_attributions
 from probes.model import hooks
+from probes.model.families import is_causal
 from probes.model.fixed_inputs import fixed_inputs
 from probes.model.inputs import encode_word_pairs, encode_words, length_batches, pad
 from probes.report.build import load_papers
@@ -393,6 +395,9 @@ def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, spli
         sel = L if layer is None else int(layer)
         if not 1 <= sel <= L:
             raise ValueError(f"analysis.layer={layer} out of range 1..{L} (1-based; null = the last)")
+        if is_causal(model.config) and int(row) == 0:
+            raise ValueError(f"analysis.row=0 reads the first token's row, which on the causal model of {ft.path} "
+                             "sees only itself; use analysis.row=-1, the last token (the one its classifier pools)")
         mask_id = ft.tokenizer.mask_token_id
         if erase == "mask" and mask_id is None:
             raise ValueError(f"analysis.erase=mask: the tokenizer of {ft.path} has no mask token")
@@ -401,6 +406,11 @@ def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, spli
         items, skipped = make_items(ft.tokenizer, examples, level, max_length)
         if not items:
             raise ValueError(f"no {ft.task} {split} example of at most {max_length} pieces")
+        short = [it for it in items if not sentence_rows([int(row)], len(it.ids))]
+        if short:
+            raise ValueError(f"analysis.row={row}: {len(short)} {ft.task} {split} examples have no such row "
+                             f"(the shortest has {min(len(it.ids) for it in short)} pieces); 0 = the first piece, "
+                             "-1 = the last")
         log.info("faithfulness: %s %s, %d examples (%d longer than %s pieces skipped), %s level, %d kinds",
                  ft.task, split, len(items), len(skipped), max_length, level, len(kinds))
         clf = Classifier(model, ft.tokenizer.pad_token_id, ctx.device, max_tokens)
