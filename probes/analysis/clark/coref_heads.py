@@ -60,7 +60,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from probes.analysis import plots
-from probes.analysis.naming import head_name
+from probes.analysis.naming import head_name, model_layers
 from probes.data.coref import (CorefDocument, Mention, pronoun_features, read_gum_coref, read_litbank,
                                read_ontogum)
 from probes.extract import runner
@@ -261,7 +261,7 @@ class CorefAccumulator:
 def tables(acc: CorefAccumulator, layers=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(coref_heads, coref_table); ``layers``: the model's layer of each of the accumulator's (a cache's
     ``layers``; None: 0..L-1)."""
-    layer_of = list(layers) if layers is not None else list(range(acc.L))
+    layer_of = model_layers(layers, acc.L)
     rows = []
     for g in GROUPS:
         a = acc.head_accuracy(g)

@@ -75,7 +75,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from probes.analysis.clark.metrics import DIRECTIONS, DepAccumulator, is_causal
-from probes.analysis.naming import head_name
+from probes.analysis.naming import head_name, model_layers
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def evaluate(cache, sentences, num_layers: int, num_heads: int, offsets=(-3, -2,
 def tables(acc: DepAccumulator, min_count: int = 100, layers=None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(dep_heads, dep_offsets, dep_table) data frames; relations with >= min_count examples + all.
     ``layers``: the model's layer of each of the accumulator's (a cache's ``layers``; None: 0..L-1)."""
-    layer_of = list(layers) if layers is not None else list(range(acc.L))
+    layer_of = model_layers(layers, acc.L)
     rels = ["all"] + sorted(r for r, c in acc.count.items() if r != "all" and c >= min_count)
     rows, orows, trows = [], [], []
     for r in rels:
