@@ -210,7 +210,8 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
         ckpt = None
         metrics = _floats(trainer.validate(model, datamodule=datamodule)[0])
     if cfg.test:
-        metrics.update(_floats(trainer.test(model, datamodule=datamodule, ckpt_path=ckpt or None)[0]))
+        metrics.update(_floats(trainer.test(model, datamodule=datamodule, ckpt_path=ckpt or None,
+                                            weights_only=False if ckpt else None)[0]))  # the run's own checkpoint
     if ckpt:
         metrics["best_checkpoint"] = ckpt
     metrics.update(getattr(datamodule, "summary", dict)())
