@@ -23,6 +23,7 @@ from probes.glue.evaluate import make_batches
 from probes.glue.export import load_finetuned
 from probes.data.conllu import read_conllu
 from probes.model import tiny
+from probes.model.families import adds_bos
 from probes.model.inputs import encode_words
 from probes.model.load import load_encoder
 from probes.train import train
@@ -234,6 +235,12 @@ def test_smollm2_packaged_completes_paris():
     with torch.no_grad():
         logits = enc.model(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"]).logits  # (1, T, V)
     assert enc.tokenizer.decode(int(logits[0, -1].argmax())).strip() == "Paris"
+    assert not adds_bos(enc.tokenizer) and enc.key_fields() == dict(causal=True, bos=False)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="analyze", overrides=["encoder=smollm2", "encoder.bos=true"])
+    sink = instantiate(cfg.encoder)  # encoder.bos=true: a BOS in front (the sink's own token), another cache key
+    first = sink.tokenizer(["The", "capital"], is_split_into_words=True)["input_ids"]
+    assert first[0] == sink.tokenizer.bos_token_id and sink.key_fields() == dict(causal=True, bos=True)
 
 
 # ----------------------------------------------------------------------------- head disabling / importance
