@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from transformers.activations import GELUActivation
 
+from probes.model import packed
+
 LINEAR_PACK_ROWS = 2048  # the batch rows (B * T) oneDNN's weight reorder is tuned for
 
 
@@ -39,8 +41,9 @@ def _exact_gelu(act: nn.Module) -> bool:
 
 
 def _packed_forward(linear: nn.Linear, post_op: str) -> callable:
-    """``x (..., in) -> (..., out)``: ``linear`` (then GELU when ``post_op == "gelu"``) as one oneDNN call."""
-    weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), LINEAR_PACK_ROWS)
+    """``x (..., in) -> (..., out)``: ``linear`` (then GELU when ``post_op == "gelu"``) as one oneDNN call; the
+    weight is reordered at the first call (never, for the layers of an encoder on packed rows)."""
+    packed_weight: list[torch.Tensor] = []  # the reordered weight, once made
     bias = None if linear.bias is None else linear.bias.detach()
     algorithm = "none" if post_op == "gelu" else ""  # the GELU's approximation: none = erf
 
@@ -48,7 +51,10 @@ def _packed_forward(linear: nn.Linear, post_op: str) -> callable:
         if not x.is_cpu:  # the model was moved after entering (a Trainer on a GPU): the module's own weights
             y = nn.functional.linear(x, linear.weight, linear.bias)
             return nn.functional.gelu(y) if post_op == "gelu" else y
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, post_op, [], algorithm)
+        if not packed_weight:
+            packed_weight.append(torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), LINEAR_PACK_ROWS))
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed_weight[0], bias, post_op, [],
+                                               algorithm)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     return forward
@@ -62,6 +68,7 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     saved: list[tuple[nn.Module, str, bool, torch.Tensor]] = []  # (module, name, is parameter, original data)
     patched: list[nn.Module] = []  # linear layers whose forward was replaced
     acts: list[tuple[nn.Module, nn.Module]] = []  # (*Intermediate block, its GELU) fused into its dense layer
+    restores: list = []  # functions restoring the encoders given the packed-rows forward
     try:
         for m in model.modules():
             for table, is_param in ((m._parameters, True), (m._buffers, False)):
@@ -74,6 +81,11 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
                     else:
                         table[name] = t.to(dtype)
         if packed_linear_supported(model, dtype):
+            fp32 = {(id(m), name): data for m, name, is_param, data in saved if is_param}
+            for m in model.modules():  # BERT-style encoders: packed rows (probes.model.packed), before the GELU fusion
+                if packed.bert_style_encoder(m, _exact_gelu):
+                    restores.append(packed.install(m, lambda mod, name: fp32.get(
+                        (id(mod), name), getattr(mod, name).detach()).float(), dtype, LINEAR_PACK_ROWS))
             fused = set()
             for m in model.modules():
                 act = getattr(m, "intermediate_act_fn", None)
@@ -90,6 +102,8 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
                     patched.append(m)
         yield model
     finally:
+        for restore in restores:
+            restore()
         for m in patched:
             m.__dict__.pop("forward", None)
         for m, act in acts:
