@@ -79,36 +79,67 @@ def _padded_batch(lengths: list[int], vocab: int, seed: int = 0) -> dict[str, to
     return pad([torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths], 0)
 
 
+def _bert_style(family: str) -> nn.Module:
+    """A tiny random encoder of a BERT-style family (3 layers) on the project's attention path."""
+    sizes = dict(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=64)
+    torch.manual_seed(0)
+    if family == "bert":
+        model = tiny_bert(num_hidden_layers=3, max_position_embeddings=64).model
+    elif family == "roberta":
+        model = hooks.prepare(RobertaModel(RobertaConfig(**sizes)).eval())
+    else:
+        model = hooks.prepare(ElectraModel(ElectraConfig(embedding_size=16, **sizes)).eval())
+    with torch.no_grad():  # peaked maps (random initial weights give near-uniform ones)
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(20.0)
+            layer.attention.self.key.weight.mul_(20.0)
+    return model
+
+
 @pytest.mark.skipif(not BF16_CPU, reason="no oneDNN bf16 on this CPU")
-def test_bert_style_encoder_on_packed_rows_matches_the_plain_forward(monkeypatch):
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra"])
+def test_bert_style_encoder_on_packed_rows_matches_the_plain_forward(monkeypatch, family):
     """Held in bf16, a BERT-style encoder runs on packed rows (probes.model.packed): the maps captured at the real
     positions and the hidden states there match a plain fp32 eager forward of each sentence alone (an independent
     model) within bf16 rounding; padding rows of the maps are finite distributions, padding hidden states zero."""
-    enc = tiny_bert(num_hidden_layers=3, max_position_embeddings=64)
-    model, twin = enc.model.eval(), _eager_twin(enc.model)
+    model = _bert_style(family).eval()
+    twin = _eager_twin(model)
     lengths = [9, 3, 6, 2]
     batch = _padded_batch(lengths, model.config.vocab_size)
     calls = []
     call = packed.PackedLayer.__call__
     monkeypatch.setattr(packed.PackedLayer, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
-    with held_in(model, torch.bfloat16), torch.inference_mode():
-        with hooks.attention(model) as s:
-            calls.clear()  # (finding the attention sites runs a forward of its own)
-            hidden = s.run(**batch).last_hidden_state.float()  # (B, T, D)
-            maps = s.attentions().float()  # (B, L, H, T, T)
+
+    def run():
+        with held_in(model, torch.bfloat16), torch.inference_mode():
+            with hooks.attention(model) as s:
+                calls.clear()  # (finding the attention sites runs a forward of its own)
+                hidden = s.run(**batch).last_hidden_state.float()  # (B, T, D)
+                return hidden, s.attentions().float()  # (B, L, H, T, T)
+
+    hidden, maps = run()
     assert len(calls) == 3  # one per layer: the packed path ran
-    worst_map, worst_hidden = 0.0, 0.0
+    with monkeypatch.context() as m:  # the generic path held in bf16, for the scale of bf16 rounding
+        m.setattr(packed, "bert_style_encoder", lambda *a: False)
+        generic_hidden, generic_maps = run()
+    assert not calls[3:]
+    worst = dict(map=0.0, hidden=0.0, generic_map=0.0, generic_hidden=0.0)
     for k, n in enumerate(lengths):
         with torch.no_grad():
             ref = twin(input_ids=batch["input_ids"][k:k + 1, :n], output_attentions=True)
-        ref_maps = torch.stack(ref.attentions, 1)[0]  # (L, H, n, n)
-        worst_map = max(worst_map, (maps[k, :, :, :n, :n] - ref_maps).abs().max().item())
-        worst_hidden = max(worst_hidden, (hidden[k, :n] - ref.last_hidden_state[0]).abs().max().item())
+        ref_maps, ref_hidden = torch.stack(ref.attentions, 1)[0], ref.last_hidden_state[0]  # (L, H, n, n), (n, D)
+        for name, h, a in (("", hidden, maps), ("generic_", generic_hidden, generic_maps)):
+            worst[name + "map"] = max(worst[name + "map"], (a[k, :, :, :n, :n] - ref_maps).abs().max().item())
+            worst[name + "hidden"] = max(worst[name + "hidden"], (h[k, :n] - ref_hidden).abs().max().item())
         assert torch.all(hidden[k, n:] == 0)
         pad_rows = maps[k, :, :, n:, :]  # (L, H, T - n, T)
         assert torch.isfinite(pad_rows).all() and torch.allclose(pad_rows.sum(-1), torch.ones(()), atol=1e-2)
-    assert worst_map <= 1e-2, worst_map  # bf16: 8 mantissa bits
-    assert worst_hidden <= 0.1, worst_hidden
+    assert maps.max() > 0.5  # peaked maps: the comparison is not one of uniform rows
+    # bf16 keeps 8 mantissa bits; the packed path rounds differently from the generic one (fused Q/K/V and
+    # residuals, base-2 scores), not more
+    assert 0 < worst["map"] <= max(1.5 * worst["generic_map"], 1e-2) and worst["map"] <= 0.05, worst
+    assert worst["hidden"] <= max(1.5 * worst["generic_hidden"], 0.05) and worst["hidden"] <= 0.25, worst
 
 
 @pytest.mark.skipif(not BF16_CPU, reason="no oneDNN bf16 on this CPU")

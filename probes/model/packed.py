@@ -99,7 +99,8 @@ class PackedLayer:
         output rows (N + 1, D)."""
         B, T, H, d = rows.B, rows.T, self.H, self.d
         qkv = torch.ops.mkldnn._linear_pointwise(x, self.qkv_w, self.qkv_b, "none", [], "")  # (N + 1, 3 H d)
-        heads = qkv.view(-1, d).index_select(0, rows.to_heads).view(3, B, H, T, d)  # (3, B, H, T, d)
+        padded = qkv.index_select(0, rows.row_of).view(B, T, 3, H, d)  # (B, T, 3, H, d)
+        heads = padded.permute(2, 0, 3, 1, 4).contiguous()  # (3, B, H, T, d)
         q, k, v = heads[0], heads[1], heads[2]  # (B, H, T, d) each; q scaled by log2(e) / sqrt(d)
         scores = torch.bmm(q.view(B * H, T, d), k.view(B * H, T, d).transpose(1, 2)).view(B, H, T, T)  # (B, H, T, T)
         probs = softmax2_rows(scores, mask)  # (B, H, T, T)
@@ -137,26 +138,26 @@ def softmax2_rows(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
 class Rows:
     """Where the packed rows of a padded batch (B, T) go. The rows are the N real positions (``index``, flat into
     B * T) and one more, a copy of the first real one, that stands for every padding position (so it is as finite
-    as a real row; masked keys get zero weight). ``to_heads`` (3 B H T,) picks, from the Q/K/V projection of the
-    rows viewed as ((N + 1) 3 H, d), the (3, B, H, T, d) padded heads; ``from_heads`` (N + 1) H,) picks, from the
-    heads' output (B, H, T, d) viewed as (B H T, d), each row's (H, d) in order."""
+    as a real row; masked keys get zero weight). ``row_of`` (B T,) is the row of each padded position (a gather
+    of whole rows, then one permuting copy to heads, is faster than gathering each head's (d,) slice);
+    ``from_heads`` ((N + 1) H,) picks, from the heads' output (B, H, T, d) viewed as (B H T, d), each row's (H, d)
+    in order."""
 
     def __init__(self, index: torch.Tensor, B: int, T: int, H: int):
         self.B, self.T, self.N = B, T, int(index.numel())
         self.index = torch.cat([index, index[:1]])  # (N + 1,) padded position of each row
-        row = torch.full((B * T,), self.N, dtype=torch.long)  # (B T,) the row of each padded position
-        row[index] = torch.arange(self.N)
-        s, h = torch.arange(3).view(3, 1, 1, 1), torch.arange(H).view(1, 1, H, 1)
-        self.to_heads = ((row.view(1, B, 1, T) * 3 + s) * H + h).reshape(-1)  # (3 B H T,)
+        self.row_of = torch.full((B * T,), self.N, dtype=torch.long)  # (B T,) the row of each padded position
+        self.row_of[index] = torch.arange(self.N)
         b, t = self.index // T, self.index % T  # (N + 1,) each
         self.from_heads = ((b.view(-1, 1) * H + torch.arange(H)) * T + t.view(-1, 1)).reshape(-1)  # ((N + 1) H,)
 
 
-def _observed(encoder: nn.Module) -> bool:
-    """Whether anything could observe or change the encoder's modules' calls (hooks, a replaced forward)."""
+def _observed(modules: list[nn.Module], encoder: nn.Module) -> bool:
+    """Whether anything could observe or change the calls of ``modules`` (the encoder's: hooks, a replaced
+    forward)."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return True
-    for m in encoder.modules():
+    for m in modules:
         if m._forward_hooks or m._forward_pre_hooks:
             return True
         if "forward" in m.__dict__ and m is not encoder and not isinstance(m, nn.Linear):  # held_in's own aside
@@ -181,6 +182,7 @@ def install(encoder: nn.Module, fp32: Fp32, dtype: torch.dtype, rows: int) -> Ca
     original = encoder.forward
     layers = [PackedLayer(l, fp32, dtype, rows) for l in encoder.layer]
     config = getattr(encoder, "config", None)
+    modules = list(encoder.modules())  # (found once: walking the module tree at every forward costs 2 ms)
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
         B, T, D = hidden_states.shape if hidden_states.dim() == 3 else (0, 0, 0)
@@ -189,7 +191,7 @@ def install(encoder: nn.Module, fp32: Fp32, dtype: torch.dtype, rows: int) -> Ca
                   and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
                   and not kwargs.get("use_cache") and not encoder.training and not torch.is_grad_enabled()
                   and getattr(config, "_attn_implementation", hooks.IMPLEMENTATION) == hooks.IMPLEMENTATION
-                  and not _observed(encoder))
+                  and not _observed(modules, encoder))
         index = _real_positions(attention_mask, B, T) if usable else None
         if index is None or (attention_mask is not None and attention_mask.dtype not in (dtype, torch.bool)):
             return original(hidden_states, attention_mask, *args, **kwargs)
