@@ -120,15 +120,16 @@ def softmax2_rows(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
     Short rows (T of 6 to 40 here) make the row-wise kernel slow, so the largest score of the whole tensor is
     subtracted instead of each row's (exp2 over the whole tensor, then one row sum and one division): the same
     softmax while no row's largest score lies far below it; where one does (a row sum under ``1e-30``), the
-    row-wise kernel is used. ``exp2`` rather than ``exp``: torch's CPU ``exp`` is 3-10x slower on inputs whose
+    row-wise kernel is used. The largest score is subtracted with the mask (one pass over the scores, in
+    float32). ``exp2`` rather than ``exp``: torch's CPU ``exp`` is 3-10x slower on inputs whose
     result underflows (the masked keys, scores far below the largest); folding log2(e) into the query's weights
     saves the multiplication."""
-    e = torch.empty(scores.shape, dtype=torch.float32)  # (B, H, T, T)
+    m = scores.max().float()  # () the largest score (a padding key's too: any bound of the real ones will do)
     if mask is None:
-        e.copy_(scores)
+        e = scores.float().sub_(m)  # (B, H, T, T)
     else:
-        torch.add(scores, mask, out=e)  # bf16 sum (as the generic path's), stored in float32
-    e.sub_(e.max()).exp2_()
+        e = torch.add(scores, mask.float() - m)  # (B, H, T, T) float32: the bf16 scores and the float32 shift
+    e.exp2_()
     z = e.sum(-1, keepdim=True)  # (B, H, T, 1)
     if not bool(z.min() >= 1e-30):
         return torch.softmax((scores if mask is None else scores + mask).float() * LN2, dim=-1).to(scores.dtype)
