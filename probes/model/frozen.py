@@ -7,9 +7,11 @@ autocast cast of a weight, of a LayerNorm output (once per Q, K and V), or of a 
 kernels of LayerNorm, softmax and GELU accumulate bf16 inputs in float32.
 
 On a CPU with oneDNN bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``) every ``nn.Linear`` also
-runs as oneDNN's linear on a weight reordered once (``_reorder_linear_weight``) instead of at every call,
-and the GELU of a transformers ``*Intermediate`` block (``dense`` then an exact-erf GELU, BERT/RoBERTa/
-ELECTRA/MiniLM) is fused into its ``dense`` projection as a oneDNN post-op.
+runs as oneDNN's linear on a weight reordered once (``_reorder_linear_weight``, at its first call) instead of
+at every call, and the GELU of a transformers ``*Intermediate`` block (``dense`` then an exact-erf GELU,
+BERT/RoBERTa/ELECTRA/MiniLM) is fused into its ``dense`` projection as a oneDNN post-op. A BERT-style encoder
+(:func:`probes.model.packed.bert_style_encoder`, by structure) also gets the forward of
+:mod:`probes.model.packed`: hidden states on packed (unpadded) rows, fused Q/K/V, padded only for the attention.
 """
 
 from __future__ import annotations

@@ -11,16 +11,19 @@ linear layers, GELU and the residual sums; only the attention itself (scores, ma
 on the padded ``(B, H, T, d)`` layout, through :func:`probes.model.hooks.finish_attention`, so every session
 (capture, stop, interventions on the maps or values) works as on the generic path. Per layer:
 
-* one oneDNN linear on the concatenated Q/K/V weights (``1/sqrt(d)`` folded into the query's weight and bias,
-  in float32 before the cast), scattered into a zeroed padded buffer;
-* scores ``Q K^T`` as one bmm, the additive mask added in place, softmax in bf16 (float32 inside);
+* one oneDNN linear on the concatenated Q/K/V weights (``log2(e)/sqrt(d)`` folded into the query's weight and
+  bias, in float32 before the cast: scores in base 2), its rows gathered to the padded positions and permuted
+  to heads in one copy;
+* scores ``Q K^T`` as one bmm, the mask and the largest score subtracted in one float32 pass, ``exp2`` over the
+  whole tensor, one row sum and one division into bf16 (:func:`softmax2_rows`);
 * the residual sums fused into the output projections (oneDNN ``add`` post-op), GELU into the intermediate one.
 
-Positions that no query may see are the padding: their queries, keys and values are zero, so a padding row of
-the maps is uniform over the sentence's keys (the generic path computes a row from the padding's own hidden
-state; both are pooled out by the extractor), and the encoder's output is zero there. Real rows are the same
-computation as the generic path up to bf16 rounding (``tests/test_frozen.py``). The generic forward is used
-whenever something could observe or change what this one skips: hooks on the encoder's modules (block
+Positions that no query may see are the padding: they all take the rows of one more packed row, a copy of the
+batch's first real position, so their keys and values are finite and get zero weight (masked), a padding row
+of the maps is a distribution over the sentence's keys (the generic path computes it from the padding's own
+hidden state; both are pooled out by the extractor), and the encoder's output is zero there. Real rows are the
+same computation as the generic path up to bf16 rounding (``tests/test_frozen.py``). The generic forward is
+used whenever something could observe or change what this one skips: hooks on the encoder's modules (block
 internals, ``output_attentions``, ``layer_parts``), a replaced forward (prefix reuse), gradients, training,
 cross-attention or a cache, another attention implementation, or inputs not on the CPU / not in bf16.
 """
@@ -39,10 +42,6 @@ LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # log2(e), ln(2)
 Fp32 = Callable[[nn.Module, str], torch.Tensor]  # (module, parameter name) -> its float32 data
 
 
-def _linear(m) -> bool:
-    return isinstance(m, nn.Linear)
-
-
 def bert_style_layer(layer: nn.Module, exact_gelu: Callable[[nn.Module], bool]) -> bool:
     """Whether ``layer`` has the post-LN BERT block structure this forward computes (see the module docstring)."""
     att = getattr(layer, "attention", None)
@@ -54,7 +53,7 @@ def bert_style_layer(layer: nn.Module, exact_gelu: Callable[[nn.Module], bool]) 
                getattr(so, "dense", None), getattr(inter, "dense", None), getattr(out, "dense", None)]
     norms = [getattr(so, "LayerNorm", None), getattr(out, "LayerNorm", None)]
     H, d = getattr(sa, "num_attention_heads", None), getattr(sa, "attention_head_size", None)
-    return (all(_linear(m) for m in linears) and all(isinstance(m, nn.LayerNorm) for m in norms)
+    return (all(isinstance(m, nn.Linear) for m in linears) and all(isinstance(m, nn.LayerNorm) for m in norms)
             and isinstance(H, int) and isinstance(d, int) and linears[0].out_features == H * d
             and linears[1].out_features == H * d and linears[2].out_features == H * d
             and exact_gelu(getattr(inter, "intermediate_act_fn", None))
@@ -67,8 +66,11 @@ def bert_style_layer(layer: nn.Module, exact_gelu: Callable[[nn.Module], bool]) 
 def bert_style_encoder(m: nn.Module, exact_gelu: Callable[[nn.Module], bool]) -> bool:
     """An encoder module whose ``layer`` is a ``nn.ModuleList`` of :func:`bert_style_layer` blocks."""
     layers = getattr(m, "layer", None)
-    return isinstance(layers, nn.ModuleList) and len(layers) > 0 and all(bert_style_layer(l, exact_gelu)
-                                                                           for l in layers)
+    if not (isinstance(layers, nn.ModuleList) and len(layers) > 0 and all(bert_style_layer(l, exact_gelu)
+                                                                          for l in layers)):
+        return False
+    shapes = {(l.attention.self.num_attention_heads, l.attention.self.attention_head_size) for l in layers}
+    return len(shapes) == 1  # one head layout for the whole encoder (:class:`Rows`)
 
 
 class PackedLayer:
@@ -90,8 +92,9 @@ class PackedLayer:
         self.qkv_w = pack(w_qkv)  # (3 H d, D)
         self.qkv_b = torch.cat([bias(sa.query, scale), bias(sa.key), bias(sa.value)]).to(dtype)  # (3 H d,)
         self.proj_w, self.proj_b = pack(fp32(so.dense, "weight")), bias(so.dense).to(dtype)
-        self.inter_w, self.inter_b = pack(fp32(layer.intermediate.dense, "weight")), bias(layer.intermediate.dense).to(dtype)
-        self.out_w, self.out_b = pack(fp32(layer.output.dense, "weight")), bias(layer.output.dense).to(dtype)
+        inter, out = layer.intermediate.dense, layer.output.dense
+        self.inter_w, self.inter_b = pack(fp32(inter, "weight")), bias(inter).to(dtype)
+        self.out_w, self.out_b = pack(fp32(out, "weight")), bias(out).to(dtype)
         self.norm1, self.norm2 = so.LayerNorm, layer.output.LayerNorm
 
     def __call__(self, x: torch.Tensor, rows: "Rows", mask: torch.Tensor | None) -> torch.Tensor:
@@ -102,15 +105,20 @@ class PackedLayer:
         padded = qkv.index_select(0, rows.row_of).view(B, T, 3, H, d)  # (B, T, 3, H, d)
         heads = padded.permute(2, 0, 3, 1, 4).contiguous()  # (3, B, H, T, d)
         q, k, v = heads[0], heads[1], heads[2]  # (B, H, T, d) each; q scaled by log2(e) / sqrt(d)
-        scores = torch.bmm(q.view(B * H, T, d), k.view(B * H, T, d).transpose(1, 2)).view(B, H, T, T)  # (B, H, T, T)
+        scores = torch.bmm(q.view(B * H, T, d), k.view(B * H, T, d).transpose(1, 2)).view(B, H, T, T)
         probs = softmax2_rows(scores, mask)  # (B, H, T, T)
         out, _ = hooks.finish_attention(self.attn, probs, v, mask, heads_first=True)  # (B, H, T, d)
         ctx = out.reshape(-1, d).index_select(0, rows.from_heads).view(-1, H * d)  # (N + 1, H d)
         a = torch.ops.mkldnn._linear_pointwise.binary(ctx, x, self.proj_w, self.proj_b, "add")  # proj + x (N + 1, D)
-        a = nn.functional.layer_norm(a, self.norm1.normalized_shape, self.norm1.weight, self.norm1.bias, self.norm1.eps)
+        a = _layer_norm(a, self.norm1)  # (N + 1, D)
         h = torch.ops.mkldnn._linear_pointwise(a, self.inter_w, self.inter_b, "gelu", [], "none")  # (N + 1, F)
         y = torch.ops.mkldnn._linear_pointwise.binary(h, a, self.out_w, self.out_b, "add")  # out + a (N + 1, D)
-        return nn.functional.layer_norm(y, self.norm2.normalized_shape, self.norm2.weight, self.norm2.bias, self.norm2.eps)
+        return _layer_norm(y, self.norm2)  # (N + 1, D)
+
+
+def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """``norm(x)`` without the module call (no hooks run on the packed path)."""
+    return nn.functional.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
 def softmax2_rows(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -132,7 +140,8 @@ def softmax2_rows(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
     e.exp2_()
     z = e.sum(-1, keepdim=True)  # (B, H, T, 1)
     if not bool(z.min() >= 1e-30):
-        return torch.softmax((scores if mask is None else scores + mask).float() * LN2, dim=-1).to(scores.dtype)
+        x = (scores if mask is None else scores + mask).float() * LN2  # (B, H, T, T) natural-log scores
+        return torch.softmax(x, dim=-1).to(scores.dtype)
     return torch.div(e, z, out=torch.empty_like(scores))
 
 
@@ -194,7 +203,8 @@ def install(encoder: nn.Module, fp32: Fp32, dtype: torch.dtype, rows: int) -> Ca
                   and getattr(config, "_attn_implementation", hooks.IMPLEMENTATION) == hooks.IMPLEMENTATION
                   and not _observed(modules, encoder))
         index = _real_positions(attention_mask, B, T) if usable else None
-        if index is None or (attention_mask is not None and attention_mask.dtype not in (dtype, torch.bool)):
+        if index is None or not index.numel() or (attention_mask is not None
+                                                  and attention_mask.dtype not in (dtype, torch.bool)):
             return original(hidden_states, attention_mask, *args, **kwargs)
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros(attention_mask.shape, dtype=dtype).masked_fill_(~attention_mask,
