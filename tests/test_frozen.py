@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModel, BertConfig, BertModel, DistilBertConfig, DistilBertModel, ElectraConfig, ElectraModel, RobertaConfig, \
-    RobertaModel
+from transformers import (AutoModel, BertConfig, BertModel, DistilBertConfig, DistilBertModel, ElectraConfig,
+                          ElectraModel, RobertaConfig, RobertaModel)
 
 from probes.model import hooks, packed
 from probes.model.frozen import _exact_gelu, held_in, packed_linear_supported
@@ -191,7 +191,8 @@ def test_packed_rows_only_for_the_bert_block_structure():
     """The structure decides, not the model name: BERT, RoBERTa and ELECTRA encoders have it; DistilBERT's blocks,
     or a BERT whose feed-forward is not an exact GELU, keep the generic path."""
     small = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-    yes = [tiny_bert().model, RobertaModel(RobertaConfig(**small)), ElectraModel(ElectraConfig(embedding_size=32, **small))]
+    yes = [tiny_bert().model, RobertaModel(RobertaConfig(**small)),
+           ElectraModel(ElectraConfig(embedding_size=32, **small))]
     no = [DistilBertModel(DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64)),
           BertModel(BertConfig(**small, hidden_act="relu"))]
     for m in yes:
