@@ -108,8 +108,9 @@ def compute_in(model: torch.nn.Module, precision: str) -> Iterator[torch.dtype]:
     """The frozen attention forward's dtypes under ``precision``; yields the dtype to pool words in.
 
     bf16-mixed: the whole model held in bf16 (:func:`probes.model.frozen.held_in`: no casts; oneDNN packed
-    linear layers on a CPU) and words pooled in bf16 (matmuls accumulate in float32); 16-mixed: the linear
-    layers' weights in float16 (:func:`linears_in`); others: nothing changes. Pooling in float32 unless held."""
+    linear layers on a CPU, BERT-style encoders on packed rows, :mod:`probes.model.packed`) and words pooled in
+    bf16 (matmuls accumulate in float32); 16-mixed: the linear layers' weights in float16 (:func:`linears_in`);
+    others: nothing changes. Pooling in float32 unless held."""
     dtype = HELD.get(str(precision))
     if dtype is None:
         with linears_in(model, precision):
