@@ -38,9 +38,10 @@ def pooling_matrices(items: list[Encoded], mode: str, T: int) -> torch.Tensor:
         for k, e in enumerate(items):
             out[k, :e.n_words + 2, :e.n_pieces] = pooling_matrix(e.word_of_piece, e.n_words, mode)
         return out
-    b = torch.tensor([k for k, e in enumerate(items) for _ in range(e.n_pieces)])  # (N,) item of each piece
-    t = torch.tensor([j for e in items for j in range(e.n_pieces)])  # (N,) its position
-    w = torch.tensor([x + 1 for e in items for x in e.word_of_piece])  # (N,) its row: first special -> 0
+    n = torch.tensor([e.n_pieces for e in items])  # (B,)
+    b = torch.repeat_interleave(torch.arange(B), n)  # (N,) item of each piece
+    t = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)  # (N,) its position
+    w = torch.tensor([x for e in items for x in e.word_of_piece]) + 1  # (N,) its row: first special -> 0
     out[b, w, t] = 1.0
     if mode == "mean":
         out /= out.sum(-1, keepdim=True).clamp(min=1.0)
@@ -107,8 +108,9 @@ def compute_in(model: torch.nn.Module, precision: str) -> Iterator[torch.dtype]:
     """The frozen attention forward's dtypes under ``precision``; yields the dtype to pool words in.
 
     bf16-mixed: the whole model held in bf16 (:func:`probes.model.frozen.held_in`: no casts; oneDNN packed
-    linear layers on a CPU) and words pooled in bf16 (matmuls accumulate in float32); 16-mixed: the linear
-    layers' weights in float16 (:func:`linears_in`); others: nothing changes. Pooling in float32 unless held."""
+    linear layers on a CPU, BERT-style encoders on packed rows, :mod:`probes.model.packed`) and words pooled in
+    bf16 (matmuls accumulate in float32); 16-mixed: the linear layers' weights in float16 (:func:`linears_in`);
+    others: nothing changes. Pooling in float32 unless held."""
     dtype = HELD.get(str(precision))
     if dtype is None:
         with linears_in(model, precision):
@@ -409,10 +411,15 @@ class AttentionMaps:
                     **settings.map_key())
 
     def precision_fields(self, settings, precision: str) -> dict:
-        """``{"held": "bf16"}`` for attention maps at bf16-mixed (:func:`compute_in`: the whole model and the
-        pooling in bf16, not autocast; entries of the autocast path have no such field); else ``{}``."""
+        """``{"held": "bfloat16", "rows": "packed"}`` for attention maps at bf16-mixed (:func:`compute_in`: the whole
+        model and the pooling in bf16, not autocast, and BERT-style encoders on packed rows with base-2 scores,
+        :mod:`probes.model.packed`); else ``{}``. Entries of the autocast path have neither field, those of the
+        held path before packed rows only ``held``: neither is reused (the field does not depend on the encoder,
+        so other families' bf16 entries, whose maps did not change, are rebuilt once too)."""
         held = HELD.get(str(precision))
-        return {"held": str(held).removeprefix("torch.")} if held is not None and settings.maps == "attention" else {}
+        if held is None or settings.maps != "attention":
+            return {}
+        return {"held": str(held).removeprefix("torch."), "rows": "packed"}
 
     def build(self, encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
               trainer: Callable[..., pl.Trainer], settings) -> C.AttentionCache:

@@ -7,9 +7,11 @@ autocast cast of a weight, of a LayerNorm output (once per Q, K and V), or of a 
 kernels of LayerNorm, softmax and GELU accumulate bf16 inputs in float32.
 
 On a CPU with oneDNN bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``) every ``nn.Linear`` also
-runs as oneDNN's linear on a weight reordered once (``_reorder_linear_weight``) instead of at every call,
-and the GELU of a transformers ``*Intermediate`` block (``dense`` then an exact-erf GELU, BERT/RoBERTa/
-ELECTRA/MiniLM) is fused into its ``dense`` projection as a oneDNN post-op.
+runs as oneDNN's linear on a weight reordered once (``_reorder_linear_weight``, at its first call) instead of
+at every call, and the GELU of a transformers ``*Intermediate`` block (``dense`` then an exact-erf GELU,
+BERT/RoBERTa/ELECTRA/MiniLM) is fused into its ``dense`` projection as a oneDNN post-op. A BERT-style encoder
+(:func:`probes.model.packed.bert_style_encoder`, by structure) also gets the forward of
+:mod:`probes.model.packed`: hidden states on packed (unpadded) rows, fused Q/K/V, padded only for the attention.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from transformers.activations import GELUActivation
+
+from probes.model import packed
 
 LINEAR_PACK_ROWS = 2048  # the batch rows (B * T) oneDNN's weight reorder is tuned for
 
@@ -39,8 +43,9 @@ def _exact_gelu(act: nn.Module) -> bool:
 
 
 def _packed_forward(linear: nn.Linear, post_op: str) -> callable:
-    """``x (..., in) -> (..., out)``: ``linear`` (then GELU when ``post_op == "gelu"``) as one oneDNN call."""
-    weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), LINEAR_PACK_ROWS)
+    """``x (..., in) -> (..., out)``: ``linear`` (then GELU when ``post_op == "gelu"``) as one oneDNN call; the
+    weight is reordered at the first call (never, for the layers of an encoder on packed rows)."""
+    packed_weight: list[torch.Tensor] = []  # the reordered weight, once made
     bias = None if linear.bias is None else linear.bias.detach()
     algorithm = "none" if post_op == "gelu" else ""  # the GELU's approximation: none = erf
 
@@ -48,7 +53,10 @@ def _packed_forward(linear: nn.Linear, post_op: str) -> callable:
         if not x.is_cpu:  # the model was moved after entering (a Trainer on a GPU): the module's own weights
             y = nn.functional.linear(x, linear.weight, linear.bias)
             return nn.functional.gelu(y) if post_op == "gelu" else y
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, post_op, [], algorithm)
+        if not packed_weight:
+            packed_weight.append(torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), LINEAR_PACK_ROWS))
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed_weight[0], bias, post_op, [],
+                                               algorithm)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     return forward
@@ -62,6 +70,7 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     saved: list[tuple[nn.Module, str, bool, torch.Tensor]] = []  # (module, name, is parameter, original data)
     patched: list[nn.Module] = []  # linear layers whose forward was replaced
     acts: list[tuple[nn.Module, nn.Module]] = []  # (*Intermediate block, its GELU) fused into its dense layer
+    restores: list = []  # functions restoring the encoders given the packed-rows forward
     try:
         for m in model.modules():
             for table, is_param in ((m._parameters, True), (m._buffers, False)):
@@ -74,6 +83,11 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
                     else:
                         table[name] = t.to(dtype)
         if packed_linear_supported(model, dtype):
+            fp32 = {(id(m), name): data for m, name, is_param, data in saved if is_param}
+            for m in model.modules():  # BERT-style encoders: packed rows (probes.model.packed), before the GELU fusion
+                if packed.bert_style_encoder(m, _exact_gelu):
+                    restores.append(packed.install(m, lambda mod, name: fp32.get(
+                        (id(mod), name), getattr(mod, name).detach()).float(), dtype, LINEAR_PACK_ROWS))
             fused = set()
             for m in model.modules():
                 act = getattr(m, "intermediate_act_fn", None)
@@ -90,6 +104,8 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
                     patched.append(m)
         yield model
     finally:
+        for restore in restores:
+            restore()
         for m in patched:
             m.__dict__.pop("forward", None)
         for m, act in acts:

@@ -67,11 +67,11 @@ def _real_keys(mask: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
     return real.expand(w.shape[0], real.shape[1], w.shape[2], w.shape[3])
 
 
-def finish_attention(module: nn.Module, weights: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def finish_attention(module: nn.Module, weights: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     heads_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared tail of every family: interventions on ``weights`` (B, H, T, T), then ``weights @ value``.
 
-    value: (B, H, T, d). Returns (output (B, T, H, d), weights (B, H, T, T))."""
+    value: (B, H, T, d). Returns (output (B, T, H, d), or (B, H, T, d) with ``heads_first``, weights (B, H, T, T))."""
     if _DISCOVER is not None:
         _DISCOVER.append(module)
     session = _ACTIVE.get(id(module))
@@ -82,7 +82,7 @@ def finish_attention(module: nn.Module, weights: torch.Tensor, value: torch.Tens
     out = torch.matmul(weights, value)  # (B, H, T, d)
     if layer is not None:
         out = session._after(layer, weights, value, out)
-    return out.transpose(1, 2).contiguous(), weights
+    return (out if heads_first else out.transpose(1, 2).contiguous()), weights
 
 
 def probes_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

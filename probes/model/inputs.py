@@ -175,15 +175,18 @@ def pad(seqs: Sequence[Sequence[int]], pad_id: int, type_ids: Sequence[Sequence[
         ) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids`` and ``attention_mask`` (B, T) each, T = the longest; plus
     ``token_type_ids`` (B, T) when ``type_ids`` is given (None entries are all zero)."""
-    B, T = len(seqs), max(len(s) for s in seqs)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # (B,)
+    B, T = len(seqs), int(lengths.max())
+    real = torch.arange(T) < lengths[:, None]  # (B, T) True on each sequence's own positions, row by row
     input_ids = torch.full((B, T), int(pad_id if pad_id is not None else 0), dtype=torch.long)  # (B, T)
-    mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    tt = torch.zeros(B, T, dtype=torch.long) if type_ids is not None else None  # (B, T)
-    for k, s in enumerate(seqs):
-        input_ids[k, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        mask[k, :len(s)] = 1
-        if tt is not None and type_ids[k] is not None:
-            tt[k, :len(s)] = torch.as_tensor(list(type_ids[k]), dtype=torch.long)
+    input_ids[real] = torch.tensor([i for s in seqs for i in s], dtype=torch.long)
+    mask = real.long()  # (B, T)
+    tt = None
+    if type_ids is not None:
+        tt = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+        for k, s in enumerate(seqs):
+            if type_ids[k] is not None:
+                tt[k, :len(s)] = torch.as_tensor(list(type_ids[k]), dtype=torch.long)
     out = dict(input_ids=input_ids, attention_mask=mask)
     if tt is not None:
         out["token_type_ids"] = tt
