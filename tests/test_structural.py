@@ -240,5 +240,10 @@ def test_layer_figure_reads_a_sweep(tmp_path):
     assert values == {"val/uuas_best": {0: 0.3, 1: 0.5, 2: 0.4}, "test/dspr": {0: 0.15, 1: 0.25, 2: 0.2}}
     out = main([str(tmp_path / "sweep"), "--out", str(tmp_path / "f.png")])
     assert out.stat().st_size > 0
+    single = tmp_path / "run"  # a single run's folder adds (or replaces) its layer
+    (single / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create({"data": {"layer": 3}}), single / ".hydra" / "config.yaml")
+    (single / "metrics.json").write_text(json.dumps({"val/uuas_best": 0.6}))
+    assert collect([tmp_path / "sweep", single])["val/uuas_best"] == {0: 0.3, 1: 0.5, 2: 0.4, 3: 0.6}
     with pytest.raises(FileNotFoundError, match="no jobs"):
         collect([tmp_path / "empty"])

@@ -22,10 +22,11 @@ METRICS = {"val/uuas_best": "UUAS (dev, best epoch)", "test/uuas": "UUAS (test)"
 
 
 def collect(sweep_dirs: list[str | Path]) -> dict[str, dict[int, float]]:
-    """``{metric: {layer: value}}`` over the jobs under ``sweep_dirs`` (a later job overrides an earlier one)."""
+    """``{metric: {layer: value}}`` over the jobs under ``sweep_dirs`` (multirun folders, or single run folders;
+    a later job overrides an earlier one)."""
     out: dict[str, dict[int, float]] = {}
     for sweep in sweep_dirs:
-        for m in sorted(Path(sweep).glob("*/metrics.json")):
+        for m in [*Path(sweep).glob("metrics.json"), *sorted(Path(sweep).glob("*/metrics.json"))]:
             cfg = OmegaConf.load(m.parent / ".hydra" / "config.yaml")
             layer = int(cfg.data.layer)
             for k, v in json.loads(m.read_text()).items():
@@ -59,7 +60,7 @@ def layer_figure(values: dict[str, dict[int, float]], title: str = ""):
 def main(argv: list[str] | None = None) -> Path:
     """Draw the figure of the sweeps named in ``argv``; returns the PNG written."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("sweeps", nargs="+", help="multirun folders of `python train.py -m ... 'data.layer=range(...)'`")
+    p.add_argument("sweeps", nargs="+", help="multirun folders of `python train.py -m ... 'data.layer=range(...)'` (or single runs)")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--title", default="")
     a = p.parse_args(argv)
