@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     for kind in kinds:
         measure = build(kind, xcfg["measures"])
-        ex = AttentionExtractor(model, enc.num_layers, None if kind == "attention" else measure)
+        ex = AttentionExtractor(model, None if kind == "attention" else measure)
         sec, cpu = time_kind(ex, batches, warm, args.repeats)
         results[kind] = dict(seconds=sec, cpu_seconds=cpu, sentences_per_s=len(items) / sec, load=load_average())
         print(f"{kind:>18}: {sec:8.2f} s wall  {cpu:8.2f} s CPU  {len(items) / sec:8.2f} sent/s  "

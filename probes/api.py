@@ -232,7 +232,7 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
                              ex.get("max_pairs"))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     dev = resolve_device(device or cfg.get("analysis_device"))
-    extractor = AttentionExtractor(enc.model.to(dev), L, None if kind == "attention" else measure)
+    extractor = AttentionExtractor(enc.model.to(dev), None if kind == "attention" else measure)
     out: list[WordMaps | None] = [None] * len(encoded)
     show = len(encoded) > PROGRESS_MIN_SENTENCES if progress is None else progress
     with torch.inference_mode(), tqdm(total=len(encoded), desc=f"word maps ({kind})", unit="sentence",

@@ -62,7 +62,7 @@ def word_maps_fp32(enc: Encoder, sentences) -> list[np.ndarray]:
     encoded = encode_words(enc.tokenizer, sentences)
     batch = make_batch(encoded, list(range(len(encoded))), "mean", "sum", enc.tokenizer.pad_token_id)
     with torch.inference_mode():
-        maps = AttentionExtractor(enc.model, enc.num_layers).word_maps(batch, torch.float32)  # (B, L, H, W, W)
+        maps = AttentionExtractor(enc.model).word_maps(batch, torch.float32)  # (B, L, H, W, W)
     return [maps[k, :, :, :e.n_words + 2, :e.n_words + 2].numpy() for k, e in enumerate(encoded)]
 
 
@@ -93,7 +93,7 @@ def test_attentions_stop_early_and_equal_full_forward():
     enc = tiny_bert()
     ids = torch.tensor([encode_words(enc.tokenizer, [SENTS[3]])[0].input_ids])
     with torch.no_grad():
-        got = AttentionExtractor(enc.model, enc.num_layers).attentions(ids, torch.ones_like(ids))  # (1, L, H, T, T)
+        got = AttentionExtractor(enc.model).attentions(ids, torch.ones_like(ids))  # (1, L, H, T, T)
         full = eager_twin(enc)(input_ids=ids, output_attentions=True).attentions
     assert got.shape == (1, enc.num_layers, enc.num_heads, ids.shape[1], ids.shape[1])
     torch.testing.assert_close(got[0], torch.stack(full, 0)[:, 0], atol=1e-6, rtol=0)
@@ -121,7 +121,7 @@ def test_fp16_linears_in_casts_linear_weights_once_bit_identically():
     enc = tiny_bert(max_position_embeddings=128)
     before = {n: p.detach().clone() for n, p in enc.model.named_parameters()}
     params = {n: p for n, p in enc.model.named_parameters()}
-    ex = AttentionExtractor(enc.model, enc.num_layers)
+    ex = AttentionExtractor(enc.model)
     encoded = encode_words(enc.tokenizer, SENTS)
     batch = make_batch(encoded, list(range(len(SENTS))), "mean", "sum", enc.tokenizer.pad_token_id)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
@@ -159,7 +159,7 @@ def test_bf16_extraction_holds_the_whole_model_in_bf16(tmp_path):
     assert to_ref <= 1e-2, to_ref
     assert 0 < to_fp32 <= 1e-2, to_fp32
     # fp32 entries are what they were: the plain fp32 path, pooled in float32
-    ex = AttentionExtractor(enc.model, enc.num_layers)
+    ex = AttentionExtractor(enc.model)
     encoded = encode_words(enc.tokenizer, SENTS)
     batch = make_batch(encoded, list(range(len(SENTS))), "mean", "sum", enc.tokenizer.pad_token_id)
     with torch.inference_mode():

@@ -145,13 +145,11 @@ class AttentionExtractor(pl.LightningModule):
     map depends on, are never computed).
     """
 
-    def __init__(self, model: torch.nn.Module, num_layers: int | None = None, measure=None,
-                 layers: Sequence[int] | None = None):
+    def __init__(self, model: torch.nn.Module, measure=None, layers: Sequence[int] | None = None):
         super().__init__()
         self.model = model
-        # 0-based layers captured, in this order: ``layers``, else the first ``num_layers`` (None: all)
-        self.layers = list(layers) if layers is not None else list(
-            range(num_layers if num_layers is not None else int(model.config.num_hidden_layers)))
+        # 0-based layers captured, in this order (None: all, from the model config)
+        self.layers = list(layers) if layers is not None else list(range(int(model.config.num_hidden_layers)))
         self.measure = measure  # a probes.measures.Measure (extract.maps); None: attention probabilities
         self.pool_dtype = torch.float32  # the dtype words are pooled in (compute_in's)
 
@@ -253,7 +251,7 @@ def precision_timer(encoder: Encoder, encoded: list[Encoded], device: str, token
     batch = {k: v.to(device) for k, v in make_batch(batches[0], list(range(len(batches[0]))), from_words, to_words,
                                                     0 if pad_id is None else pad_id).items()}
     n_tokens = int(batch["attention_mask"].sum())
-    ex = AttentionExtractor(encoder.model.to(device), encoder.num_layers)
+    ex = AttentionExtractor(encoder.model.to(device))
 
     def time_fn(precision: str) -> float:
         if device == "cuda":
