@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 import numpy as np
 import pandas as pd
 import torch
@@ -338,9 +339,14 @@ def heatmap_figure(table: pd.DataFrame, title: str):
 
 
 def layers_figure(layers: pd.DataFrame, kinds: Sequence[str], references: Sequence[str], title: str):
-    """One panel per metric: each map kind across the layers, the references as horizontal lines."""
+    """One panel per metric: each map kind across the layers, the references as horizontal lines; every panel
+    spans the same layers (AOPC may be scored at the selected layer only), on whole-number ticks."""
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.4))
+    scored = layers.layer[layers.layer > 0]  # the references' rows are layer 0
     for ax, m in zip(axes, METRICS):
+        if len(scored):
+            ax.set_xlim(scored.min() - 0.5, scored.max() + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         d = layers[layers.metric == m]
         for kind in kinds:
             k = d[d.kind == kind].sort_values("layer")
