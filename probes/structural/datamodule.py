@@ -10,9 +10,8 @@ there is no word-vector table).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch

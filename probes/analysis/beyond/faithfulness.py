@@ -53,11 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
 import numpy as np
 import pandas as pd
 import torch
 from hydra.utils import instantiate
+from matplotlib.ticker import MaxNLocator
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
