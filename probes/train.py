@@ -17,6 +17,7 @@ and writes its outputs there (atomically, over those of the killed run).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -122,7 +123,10 @@ def resume(folder: str | os.PathLike) -> dict[str, float]:
     hydra_yaml = Path(cfg.resume) / ".hydra" / "hydra.yaml"
     if hydra_yaml.is_file() and not HydraConfig.initialized():  # the job's Hydra record (choices, overrides)
         try:
-            node = OmegaConf.merge(OmegaConf.structured(HydraConf), OmegaConf.load(hydra_yaml).hydra)
+            record = OmegaConf.load(hydra_yaml).hydra
+            # the keys HydraConf has: Hydra 1.3 writes an `env` node that its own HydraConf lacks
+            known = [f.name for f in dataclasses.fields(HydraConf) if f.name in record]
+            node = OmegaConf.merge(OmegaConf.structured(HydraConf), OmegaConf.masked_copy(record, known))
             HydraConfig.instance().set_config(OmegaConf.create({"hydra": node}))
         except Exception as e:  # a record of another Hydra version: provenance names the resume command only
             log.warning("could not read %s (%s): provenance records the resume command only", hydra_yaml, e)

@@ -185,6 +185,11 @@ def test_softmax2_rows_is_the_softmax_also_for_a_row_far_below_the_largest_score
     far[0, 1, 2] -= 300  # 2^-300 underflows float32
     p = packed.softmax2_rows(far, mask)
     assert torch.isfinite(p).all() and (p.float() - expected(far)).abs().max() <= 4e-3
+    s32 = scores.float()  # computed in place on a float32 copy: never on the scores themselves
+    kept = s32.clone()
+    p32 = packed.softmax2_rows(s32, mask.float())
+    assert torch.equal(s32, kept) and p32.dtype == torch.float32
+    assert (p32 - expected(scores)).abs().max() <= 1e-6
 
 
 def test_packed_rows_only_for_the_bert_block_structure():

@@ -58,6 +58,7 @@ def test_a_killed_run_resumed_ends_as_the_run_left_alone(extra, chain_data, tmp_
     prov = json.loads((killed / "provenance.json").read_text())
     assert prov["inputs"]["resumed_from"] == str(killed / "checkpoints" / "last.ckpt")
     assert "resume=" in prov["launched_by"]
+    assert "trainer.max_epochs=3" in prov["command"]  # the job's own command, from its Hydra record
     precision = json.loads((killed / "precision.json").read_text())
     assert precision["trainer"] == "32-true" and precision["extract"]["precision"] == "32-true"
     assert precision["extract"]["decided_by"] == "config"

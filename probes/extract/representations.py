@@ -35,6 +35,7 @@ from probes.extract import runner
 from probes.extract.runner import TreebankSplit
 from probes.extract.settings import ExtractSettings
 from probes.extract.stage import CacheWriter, SentenceBatches, _extraction_peer, encode_all, select
+from probes.memory import reusable_heap
 from probes.model.hidden import check_layers, hidden_states, layer_list
 from probes.model.inputs import Encoded, length_batches
 from probes.model.load import Encoder
@@ -184,7 +185,8 @@ def _extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cac
     loader = DataLoader(data, batch_size=None, num_workers=num_workers, persistent_workers=False, pin_memory=False)
     log.info("extracting hidden states of layers %s: %d sentences, %d batches -> %s", layers, len(kept),
              len(batches), final_dir)
-    t.predict(HiddenExtractor(encoder.model, layers), loader, return_predictions=False)
+    with reusable_heap():  # the batches' buffers reused, not faulted in again at every batch
+        t.predict(HiddenExtractor(encoder.model, layers), loader, return_predictions=False)
     return RepresentationCache(final_dir)
 
 

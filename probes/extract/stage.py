@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from probes.extract import cache as C
 from probes.measures import build
+from probes.memory import reusable_heap
 from probes.model import hooks
 from probes.model.frozen import held_in
 from probes.model.inputs import Encoded, encode_words, length_batches, pad_encoded, pooling_matrix
@@ -390,7 +391,8 @@ def _extract(
     # attention: the model held in a mixed precision's compute dtype (compute_in); other map kinds read weights
     # themselves, so they keep them as loaded
     ex = AttentionExtractor(encoder.model, measure=None if maps == "attention" else measure, layers=layers)
-    with compute_in(encoder.model, str(t.precision) if maps == "attention" else "32-true") as ex.pool_dtype:
+    with compute_in(encoder.model, str(t.precision) if maps == "attention" else "32-true") as ex.pool_dtype, \
+            reusable_heap():  # the batches' buffers reused, not faulted in again at every batch
         t.predict(ex, loader, return_predictions=False)
     return C.AttentionCache(final_dir)
 

@@ -28,7 +28,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from probes.data.glue import task_spec
 from probes.glue.module import SequenceClassifier, pool
 from probes.model import hooks
-from probes.model.load import Encoder, freeze, load_tokenizer
+from probes.model.load import WEIGHTS_DTYPE, Encoder, freeze, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def to_hf(module: SequenceClassifier, state_dict: dict | None = None) -> torch.n
     if pooling == "last" and getattr(cfg, "pad_token_id", None) is None:
         raise ValueError("a decoder's *ForSequenceClassification finds the last token by config.pad_token_id, "
                          "which is not set")
-    model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager")
+    model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager", dtype=WEIGHTS_DTYPE)
     base = model.base_model
     clf = getattr(model, HF_HEADS[pooling], None)
     if not isinstance(clf, torch.nn.Linear) or clf.weight.shape != module.head.weight.shape \
@@ -198,13 +198,14 @@ def _load_classifier(folder: Path):
     cfg = AutoConfig.from_pretrained(str(folder))
     archs = cfg.architectures or []
     if any("SequenceClassification" in a for a in archs):
-        model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
+        model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION,
+                                                                   dtype=WEIGHTS_DTYPE)
     elif (folder / "head.pt").exists():
         state = torch.load(folder / "head.pt", map_location="cpu")
         head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
         head.load_state_dict(state)
-        encoder = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
+        encoder = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
         model = EncoderWithHead(encoder, head, export_info(folder).get("pooling", "cls"))
     else:
-        model = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION)
+        model = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
     return model, load_tokenizer(str(folder))

@@ -5,7 +5,10 @@ Fine-tuned GLUE models (run folder, Hugging Face folder or Lightning checkpoint)
 :func:`probes.glue.export.load_finetuned`, beside the code that writes them.
 
 Every model comes frozen, in eval mode, on the project's attention path
-(``attn_implementation="probes"``, :mod:`probes.model.hooks`), which computes eager attention.
+(``attn_implementation="probes"``, :mod:`probes.model.hooks`), which computes eager attention, with its
+weights in float32 whatever dtype the checkpoint stores (``WEIGHTS_DTYPE``; transformers would otherwise keep a
+float16 or bfloat16 checkpoint in that dtype and run ``extract.precision=32-true`` in half precision): the
+precision a run computes in is the one its settings and cache keys name.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from probes.model.families import adds_bos, family, is_byte_level, set_bos, set_
 
 log = logging.getLogger(__name__)
 
+WEIGHTS_DTYPE = torch.float32  # every model's weights as loaded (compute dtypes: probes.extract.stage.compute_in)
 HEADS = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "causal_lm": "AutoModelForCausalLM",
          "sequence_classification": "AutoModelForSequenceClassification"}
 
@@ -201,7 +205,7 @@ def load_encoder(
         fingerprint = f"random-seed{seed}" + ("" if head == "base" else f"-{head}")
     else:
         def load():
-            model, info = cls.from_pretrained(src, attn_implementation=hooks.IMPLEMENTATION,
+            model, info = cls.from_pretrained(src, attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE,
                                               output_loading_info=True, **kwargs)
             _check_head(model, info, head, src)
             return model
@@ -238,7 +242,7 @@ def _conventions(config, tokenizer, head: str, bos: bool | None, src: str):
 def _random_loader(cls, config, seed: int) -> Callable[[], torch.nn.Module]:
     def load():
         torch.manual_seed(seed)
-        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION)
+        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
 
     return load
 
@@ -261,7 +265,8 @@ def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: boo
                        f"random-seed{seed}" + ("" if head == "base" else f"-{head}"), config, head)
 
     def load() -> torch.nn.Module:
-        model = cls.from_pretrained(folder, gguf_file=file, config=config, attn_implementation=hooks.IMPLEMENTATION)
+        model = cls.from_pretrained(folder, gguf_file=file, config=config, attn_implementation=hooks.IMPLEMENTATION,
+                                    dtype=WEIGHTS_DTYPE)
         return model
 
     return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head)
@@ -307,7 +312,7 @@ def random_bert(
 
     def build() -> torch.nn.Module:
         torch.manual_seed(seed)
-        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION)
+        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
 
     shape = json.dumps([num_hidden_layers, num_attention_heads, hidden_size, intermediate_size,
                         max_position_embeddings, tokenizer.vocab_size])

@@ -128,21 +128,23 @@ def softmax2_rows(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
     Short rows (T of 6 to 40 here) make the row-wise kernel slow, so the largest score of the whole tensor is
     subtracted instead of each row's (exp2 over the whole tensor, then one row sum and one division): the same
     softmax while no row's largest score lies far below it; where one does (a row sum under ``1e-30``), the
-    row-wise kernel is used. The largest score is subtracted with the mask (one pass over the scores, in
-    float32). ``exp2`` rather than ``exp``: torch's CPU ``exp`` is 3-10x slower on inputs whose
+    row-wise kernel is used. All of it runs in place on one float32 copy of the scores: the largest score is
+    subtracted with the mask in one pass, and the division is rounded to the scores' dtype once at the end.
+    ``exp2`` rather than ``exp``: torch's CPU ``exp`` is 3-10x slower on inputs whose
     result underflows (the masked keys, scores far below the largest); folding log2(e) into the query's weights
     saves the multiplication."""
     m = scores.max().float()  # () the largest score (a padding key's too: any bound of the real ones will do)
+    e = scores.to(torch.float32, copy=True)  # (B, H, T, T) float32, never the scores themselves
     if mask is None:
-        e = scores.float().sub_(m)  # (B, H, T, T)
-    else:
-        e = torch.add(scores, mask.float() - m)  # (B, H, T, T) float32: the bf16 scores and the float32 shift
+        e.sub_(m)
+    else:  # in place, float32 on float32 (a bf16 + float32 add into a new tensor takes twice as long)
+        e.add_(mask.float() - m)  # mask (B, 1, T, T) shifted by the largest score
     e.exp2_()
     z = e.sum(-1, keepdim=True)  # (B, H, T, 1)
     if not bool(z.min() >= 1e-30):
         x = (scores if mask is None else scores + mask).float() * LN2  # (B, H, T, T) natural-log scores
         return torch.softmax(x, dim=-1).to(scores.dtype)
-    return torch.div(e, z, out=torch.empty_like(scores))
+    return e.div_(z).to(scores.dtype)  # (B, H, T, T): divided in float32, rounded once
 
 
 class Rows:
