@@ -127,35 +127,44 @@ def test_mmap_threshold_is_set_on_glibc():
         assert set_mmap_threshold(1 << 18) is True
 
 
+REUSABLE_HEAP_SCRIPT = """
+import ctypes, ctypes.util, json, resource, torch
+from probes.memory import reusable_heap, set_mmap_threshold
+
+def faults(n=10):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        a = torch.ones(8 << 20, dtype=torch.uint8)  # (8 MiB,) every page written (numpy would ask for huge pages)
+        del a
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+
+assert set_mmap_threshold(1 << 18)
+out = dict(fixed=faults())
+with reusable_heap() as applied:
+    out["applied"] = applied
+    faults()  # the heap grows to hold them
+    out["inside"] = faults()
+ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)  # the heap given back: what follows is the threshold's
+out["after"] = faults()
+print(json.dumps(out))
+"""
+
+
 def test_reusable_heap_keeps_batch_buffers_and_puts_the_threshold_back():
     """Inside `reusable_heap` a freed batch-sized buffer is reused (no new page faults); outside, under the fixed
-    256 KiB threshold train.py sets, every such buffer is mapped and faulted in anew."""
-    import ctypes
-    import ctypes.util
+    256 KiB threshold train.py sets, every such buffer is mapped and faulted in anew (in a fresh process: the
+    test process's own heap may hold free chunks that big)."""
     import platform
-    import resource
-
-    from probes.memory import reusable_heap, set_mmap_threshold
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc malloc only")
-
-    def faults(n: int = 10) -> int:
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(n):
-            a = torch.ones(8 << 20, dtype=torch.uint8)  # (8 MiB,) every page written (numpy would ask for huge pages)
-            del a
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-
-    assert set_mmap_threshold(1 << 18)
-    fresh = faults()
-    assert fresh >= 10 * 1000  # 2,048 pages of 4 KiB each time
-    with reusable_heap() as applied:
-        assert applied
-        faults()  # the heap grows to hold them
-        assert faults() < fresh / 20
-    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)  # the heap given back: what happens next is the threshold's
-    assert faults() >= fresh / 2  # the fixed threshold is back: mapped and faulted in anew each time
+    r = subprocess.run([sys.executable, "-c", REUSABLE_HEAP_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    n = json.loads(r.stdout.strip().splitlines()[-1])
+    assert n["fixed"] >= 10 * 1000  # 2,048 pages of 4 KiB each time
+    assert n["applied"] and n["inside"] < n["fixed"] / 20
+    assert n["after"] >= n["fixed"] / 2  # the fixed threshold is back: mapped and faulted in anew each time
 
 
 def test_peak_rss_reset_per_job():
