@@ -1,4 +1,5 @@
-"""Process memory settings for training on memory-mapped caches."""
+"""Process memory settings: glibc malloc thresholds for training on memory-mapped caches and for the extraction
+stages, and the peak RSS a job reports."""
 
 from __future__ import annotations
 
