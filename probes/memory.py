@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import resource
 from collections.abc import Iterator
@@ -20,7 +21,9 @@ DYNAMIC_MMAP_MAX, DYNAMIC_TRIM_MAX, DEFAULT_TRIM = 32 << 20, 64 << 20, 128 << 10
 _fixed: dict[int, int] = {}  # the values this process fixed through this module (glibc cannot be asked)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library with ``mallopt`` (glibc), found once per process (``find_library`` runs ``ldconfig``)."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
