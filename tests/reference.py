@@ -1,13 +1,20 @@
-"""Slow, independent references the tests check the batched maths of :mod:`probes.measures.gradflow` against.
+"""Slow, independent references the tests check the project's code against.
 
-Written without the block functions, ``torch.func`` or early stops: one plain forward and one
-``autograd.grad`` per output, or the full model's head outputs from forward hooks.
+Encodings and word maps (:func:`text_pieces`, :func:`word_groups`, :func:`pool_by_loops`, :func:`eager_word_maps`)
+are built from the raw text alone: the model's own tokenizer on the words joined by single spaces
+(``tokenizer(" ".join(words), return_offsets_mapping=True)``), each piece given to the word whose characters it
+covers by a plain loop over characters, a plain ``attn_implementation="eager"`` forward with
+``output_attentions=True``, and pooling by explicit loops over pieces; nothing from :mod:`probes.model.inputs`
+or the capture layer. The gradient-flow references are written without the block functions, ``torch.func`` or
+early stops: one plain forward and one ``autograd.grad`` per output, or the full model's head outputs from forward
+hooks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from probes.measures import gradflow
@@ -52,6 +59,73 @@ def head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable
         return out.sum(-1).transpose(1, 2)  # (L, H, T): sum over each head's d units
 
     return f
+
+
+def text_pieces(tokenizer, words: list[str], bos: bool = False) -> tuple[list[int], list[int | None]]:
+    """(ids, word of every piece or None for a special token) of the words as running text: the tokenizer on
+    ``" ".join(words)`` with its specials; a piece belongs to the word whose non-space characters it covers (the
+    first such word), a piece of spaces alone to the next word. ``bos``: a BOS put in front where the tokenizer
+    adds none."""
+    text = " ".join(words)
+    owner = []  # owner[c]: the word of character c of the text, None for the spaces
+    for k, w in enumerate(words):
+        owner += [k] * len(w) + [None]
+    enc = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
+    ids, special = list(enc["input_ids"]), enc["special_tokens_mask"]
+    wids = []
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        if special[t]:
+            wids.append(None)
+            continue
+        hit = [owner[c] for c in range(a, b) if owner[c] is not None]
+        if not hit:
+            hit = [next(owner[c] for c in range(b, len(text)) if owner[c] is not None)]
+        wids.append(hit[0])
+    if bos and ids[0] != tokenizer.bos_token_id:
+        ids, wids = [tokenizer.bos_token_id, *ids], [None, *wids]
+    return ids, wids
+
+
+def word_groups(wids: list[int | None], n_words: int) -> list[list[int]]:
+    """Row groups of a sequence: the specials before the first word (when any), each word's pieces, the specials
+    after the last word (when any)."""
+    first = [t for t, w in enumerate(wids) if w is None and not any(v is not None for v in wids[:t])]
+    last = [t for t, w in enumerate(wids) if w is None and t not in first]
+    groups = [first] if first else []
+    groups += [[t for t, w in enumerate(wids) if w == k] for k in range(n_words)]
+    return groups + ([last] if last else [])
+
+
+def pool_by_loops(att: np.ndarray, groups: list[list[int]]) -> np.ndarray:
+    """(..., R, R) word maps of piece maps ``att`` (..., T, T) by explicit loops: rows the mean over the row
+    group's pieces, columns the sum over the column group's pieces (Clark et al.)."""
+    out = np.zeros(att.shape[:-2] + (len(groups), len(groups)))
+    for r, rows in enumerate(groups):
+        for c, cols in enumerate(groups):
+            total = 0.0
+            for i in rows:
+                for j in cols:
+                    total = total + att[..., i, j].astype(np.float64)
+            out[..., r, c] = total / len(rows)
+    return out
+
+
+def eager_word_maps(model: torch.nn.Module, tokenizer, words: list[str], bos: bool = False
+                    ) -> tuple[np.ndarray, list[str]]:
+    """(L, H, R, R) word maps of a plain eager forward of one sentence as running text (:func:`text_pieces`),
+    pooled by :func:`pool_by_loops`; R rows: the specials before the words (where any), the words, the specials
+    after (where any). ``model``: loaded with ``attn_implementation="eager"``. Returns (maps, row labels)."""
+    ids, wids = text_pieces(tokenizer, words, bos)
+    with torch.no_grad():
+        att = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    att = torch.stack(att)[:, 0].double().numpy()  # (L, H, T, T)
+    groups = word_groups(wids, len(words))
+    labels = list(words)
+    if wids[0] is None:
+        labels = [tokenizer.convert_ids_to_tokens(ids[0])] + labels
+    if wids[-1] is None:
+        labels = labels + [tokenizer.convert_ids_to_tokens(ids[-1])]
+    return pool_by_loops(att, groups), labels
 
 
 def pooling_by_hand(word_of_piece: list[int], n_words: int, mode: str) -> torch.Tensor:

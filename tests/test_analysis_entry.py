@@ -161,7 +161,7 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
     for i, attn, punct, _ in sequence_attention(enc, encode_words(enc.tokenizer, sents), max_tokens=20,
                                                 max_batch_size=2):
         seen.add(i)
-        ids = enc.tokenizer(sents[i], is_split_into_words=True)["input_ids"]
+        ids = enc.tokenizer(" ".join(sents[i]))["input_ids"]  # the sentence as running text, its specials
         T = len(ids)
         assert attn.shape == (2, 4, T, T)
         with torch.no_grad():

@@ -374,6 +374,31 @@ def test_pair_indices_stay_within_documents():
     assert pair_indices(["a"]) == []
 
 
+def _pair_reference(tok, a: list[str], b: list[str]) -> tuple[list[int], list[int], list[int] | None]:
+    """(ids, word of every piece, token types or None) of a sentence pair as the tokenizer joins the two running
+    texts, ``tok(" ".join(a), " ".join(b), return_offsets_mapping=True)``: each piece's word is the first word
+    whose characters its offsets cover (a piece of spaces alone: the next word; B's words after A's), -1 for the
+    first special, len(a) + len(b) for every other special."""
+    texts = [" ".join(a), " ".join(b)]
+    enc = tok(*texts, return_offsets_mapping=True)
+    owner = []  # owner[segment][c]: the word of character c of the segment's text, None for the spaces
+    for words, shift in ((a, 0), (b, len(a))):
+        chars = []
+        for k, w in enumerate(words):
+            chars += [shift + k] * len(w) + [None]
+        owner.append(chars)
+    n, wop = len(a) + len(b), []
+    for t, (seg, (x, y)) in enumerate(zip(enc.sequence_ids(), enc["offset_mapping"])):
+        if seg is None:
+            wop.append(-1 if t == 0 else n)
+            continue
+        hit = [owner[seg][c] for c in range(x, y) if owner[seg][c] is not None]
+        if not hit:
+            hit = [next(owner[seg][c] for c in range(y, len(texts[seg])) if owner[seg][c] is not None)]
+        wop.append(hit[0])
+    return list(enc["input_ids"]), wop, (list(enc["token_type_ids"]) if "token_type_ids" in enc else None)
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta"])
 def test_pair_input_special_positions_and_attention(tmp_path, family):
     """encode_word_pairs = the tokenizer's own pair encoding: [CLS] at 0, separators where the
@@ -389,8 +414,8 @@ def test_pair_input_special_positions_and_attention(tmp_path, family):
     tok = enc.tokenizer
     a, b = ["The", "dog", "barked", "."], ["It", ",", "ran"]
     (e,) = encode_word_pairs(tok, [(a, b)])
-    ref = tok(a, b, is_split_into_words=True)
-    assert e.input_ids == ref["input_ids"] and e.n_words == 7
+    ids, wop, types = _pair_reference(tok, a, b)
+    assert e.input_ids == ids and e.word_of_piece == wop and e.token_type_ids == types and e.n_words == 7
     sep_id = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
     seps = [i for i, t in enumerate(e.input_ids) if t == sep_id]
     assert separator_positions(e) == [i in seps for i in range(e.n_pieces)]
@@ -404,8 +429,8 @@ def test_pair_input_special_positions_and_attention(tmp_path, family):
         assert e.token_type_ids == [0] * (seps[0] + 1) + [1] * (e.n_pieces - seps[0] - 1)
     model = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
     ((i, attn, punct, sep),) = list(sequence_attention(enc, [e]))
-    kw = {"token_type_ids": torch.tensor([e.token_type_ids])} if e.token_type_ids is not None else {}
+    kw = {"token_type_ids": torch.tensor([types])} if types is not None else {}
     with torch.no_grad():
-        want = torch.stack(model(input_ids=torch.tensor([e.input_ids]), output_attentions=True, **kw).attentions)[:, 0]
+        want = torch.stack(model(input_ids=torch.tensor([ids]), output_attentions=True, **kw).attentions)[:, 0]
     torch.testing.assert_close(attn, want, rtol=1e-4, atol=1e-6)
     assert sep == separator_positions(e) and sum(punct) == 2  # '.' and ','

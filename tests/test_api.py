@@ -23,6 +23,7 @@ from probes.data.conllu import ConlluError, Sentence
 from probes.model.load import packaged_minilm_path
 from probes.model.tiny import FAMILIES, tiny_folder
 from tests.conftest import TINY_CONLLU, write_chain_treebank
+from tests.reference import text_pieces
 
 REPO = Path(__file__).resolve().parents[1]
 SENTS = [["The", "dog", "barked", "."], ["John", "'s", "unbelievably-comfortable", "cat", "sat", "on", "it", "!"],
@@ -42,12 +43,13 @@ def models(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- the slow reference
 def reference_rows(tokenizer, words: list[str]) -> tuple[list[int], list[int]]:
-    """(input ids, word-map row of every piece): first special -> 0, word w -> w + 1, any other special -> the
-    last row; from the tokenizer's own word ids."""
-    enc = tokenizer(words, is_split_into_words=True)
+    """(input ids, word-map row of every piece) of the words as running text: the tokenizer on the joined words,
+    each piece's word from its characters (:func:`tests.reference.text_pieces`, nothing from probes.model.inputs);
+    first special -> 0, word w -> w + 1, any other special -> the last row."""
+    ids, wids = text_pieces(tokenizer, words)
     R = len(words) + 2
-    rows = [0 if t == 0 else R - 1 if w is None else w + 1 for t, w in enumerate(enc.word_ids())]
-    return list(enc["input_ids"]), rows
+    rows = [0 if t == 0 else R - 1 if w is None else w + 1 for t, w in enumerate(wids)]
+    return ids, rows
 
 
 def slow_pool(piece: np.ndarray, rows: list[int], R: int) -> np.ndarray:

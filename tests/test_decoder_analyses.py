@@ -24,7 +24,6 @@ from probes.glue.export import load_finetuned
 from probes.data.conllu import read_conllu
 from probes.model import tiny
 from probes.model.families import adds_bos
-from probes.model.inputs import encode_words
 from probes.model.load import load_encoder
 from probes.train import train
 from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train
@@ -83,13 +82,14 @@ def test_head_stats_first_token_share_equals_eager_attention(cfg_for, tmp_path, 
     enc = load_encoder(str(models[family]))
     ref = _eager(models[family])
     first, log_i, n = 0.0, 0.0, 0
-    for e in encode_words(enc.tokenizer, _sentences(tmp_path)):
-        assert (e.input_ids[0] in enc.tokenizer.all_special_ids) == (name == "bos")
+    for words in _sentences(tmp_path):
+        ids = enc.tokenizer(" ".join(words))["input_ids"]  # the sentence as running text, the tokenizer's specials
+        assert (ids[0] in enc.tokenizer.all_special_ids) == (name == "bos")
         with torch.no_grad():
-            att = torch.stack(ref(input_ids=torch.tensor([e.input_ids]), output_attentions=True).attentions)[:, 0]
+            att = torch.stack(ref(input_ids=torch.tensor([ids]), output_attentions=True).attentions)[:, 0]
         assert torch.allclose(att.triu(1), torch.zeros(())), "eager maps are causal"
         first = first + att[..., 0].mean(-1).double()  # (L, H) mean over the rows of attention to position 0
-        log_i += float(np.log(np.arange(1, e.n_pieces + 1)).mean())
+        log_i += float(np.log(np.arange(1, len(ids) + 1)).mean())
         n += 1
     want = (first / n).numpy()
     got = df[df.stat == name].pivot(index="layer", columns="head", values="value").to_numpy()
@@ -239,7 +239,7 @@ def test_smollm2_packaged_completes_paris():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="analyze", overrides=["encoder=smollm2", "encoder.bos=true"])
     sink = instantiate(cfg.encoder)  # encoder.bos=true: a BOS in front (the sink's own token), another cache key
-    first = sink.tokenizer(["The", "capital"], is_split_into_words=True)["input_ids"]
+    first = sink.tokenizer("The capital")["input_ids"]
     assert first[0] == sink.tokenizer.bos_token_id and sink.key_fields() == dict(causal=True, bos=True)
 
 

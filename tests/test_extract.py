@@ -23,10 +23,10 @@ from probes.extract.runner import TreebankSplit, entry_path
 from probes.extract.settings import ExtractSettings
 from probes.extract.stage import AttentionExtractor, AttentionMaps, extract, linears_in, make_batch, precision_timer, \
     pooling_matrices, timing_batches
-from probes.model.inputs import encode_words, length_batches, pool_attention, pooling_matrix
+from probes.model.inputs import WORD_ENCODING, encode_words, length_batches
 from probes.model.load import Encoder, tiny_bert
 from tests.conftest import ROOT, WORDS, chain_overrides, compose_train
-from tests.reference import pooling_by_hand
+from tests.reference import pool_by_loops, pooling_by_hand, text_pieces, word_groups
 
 SENTS = [[WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 9)] for i in range(40)] + [["Unbelievably", "long"]]
 TRAINER = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision="32-true", logger=False,
@@ -46,15 +46,15 @@ def eager_twin(enc: Encoder) -> torch.nn.Module:
 
 def reference_maps(ref: torch.nn.Module, tokenizer, words) -> np.ndarray:
     """(L, H, W, W) word-level maps from a plain eager forward (fp32, or as ``ref`` is held) with
-    output_attentions (one sentence), pooled in float32."""
-    (e,) = encode_words(tokenizer, [words])
+    output_attentions of one sentence as running text (the tokenizer on the joined words,
+    :func:`tests.reference.text_pieces`), pooled by explicit loops (rows mean, columns sum; nothing from
+    probes.model.inputs)."""
+    ids, wids = text_pieces(tokenizer, words)
+    assert wids[0] is None and wids[-1] is None  # [CLS] ... [SEP]: W = words + 2 rows
     with torch.no_grad():
-        out = ref(input_ids=torch.tensor([e.input_ids]), output_attentions=True)
-    attn = torch.stack(out.attentions, 1)[0].float()  # (L, H, T, T)
-    L, H, T, _ = attn.shape
-    frm = pooling_matrix(e.word_of_piece, e.n_words, "mean")[None]  # (1, W, T)
-    to = pooling_matrix(e.word_of_piece, e.n_words, "sum")[None]
-    return pool_attention(attn.reshape(1, L * H, T, T), frm, to)[0].reshape(L, H, e.n_words + 2, -1).numpy()
+        out = ref(input_ids=torch.tensor([ids]), output_attentions=True)
+    attn = torch.stack(out.attentions, 1)[0].float().numpy()  # (L, H, T, T)
+    return pool_by_loops(attn, word_groups(wids, len(words)))
 
 
 def word_maps_fp32(enc: Encoder, sentences) -> list[np.ndarray]:
@@ -91,7 +91,7 @@ def test_word_maps_equal_eager_fp32_forward(make):
 
 def test_attentions_stop_early_and_equal_full_forward():
     enc = tiny_bert()
-    ids = torch.tensor([encode_words(enc.tokenizer, [SENTS[3]])[0].input_ids])
+    ids = torch.tensor([enc.tokenizer(" ".join(SENTS[3]))["input_ids"]])
     with torch.no_grad():
         got = AttentionExtractor(enc.model).attentions(ids, torch.ones_like(ids))  # (1, L, H, T, T)
         full = eager_twin(enc)(input_ids=ids, output_attentions=True).attentions
@@ -301,7 +301,8 @@ def test_ensure_caches_in_a_child_process_equal_in_process(chain_data, tmp_path)
     again = ensure_caches(cfg.encoder, treebank, ["dev"], cfg.extract, str(tmp_path / "c1"), {"dev": 12})
     assert again["dev"].path == got["dev"].path  # hit: no child needed
     with pytest.raises(RuntimeError, match="child process failed"):
-        bad = dict(OmegaConf.to_container(cfg.extract, resolve=True), precision="no-such-precision")
+        bad = OmegaConf.to_container(cfg.extract, resolve=True)
+        bad["trainer"] = dict(bad["trainer"], _target_="no.such.Trainer")  # only the child builds the trainer
         ensure_caches(cfg.encoder, treebank, ["dev"], bad, str(tmp_path / "c3"))  # fails in the child
 
 
@@ -355,7 +356,10 @@ PIN_CONLLU = ("# sent_id = a\n1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_\n2\tdog\tdog\
 
 
 def test_cache_keys_are_those_of_existing_caches(tmp_path):
-    """Entry names (key hashes) of every cache kind stay what they were, so users' caches stay valid.
+    """Entry names (key hashes) of every cache kind are what they were but for the word-encoding rule, which every
+    key now names (``word_encoding``: entries made from words encoded another way are never read again): the key
+    without that field hashes to the pinned names of the code before the rule existed, and the entry's actual name
+    differs from it.
 
     The expected names were computed with the code before the extraction settings, key builder and runner
     were unified (``probes.extract.run.cache_key``, ``probes.extract.representations._resolved`` and the key
@@ -373,7 +377,13 @@ def test_cache_keys_are_those_of_existing_caches(tmp_path):
     dev = TreebankSplit(tb, "dev", None)
 
     def name(kind, source, settings, precision="32-true"):
-        return entry_path(enc, kind, source, settings, "/c", precision).name
+        """The entry's name as before the rule existed: its key without ``word_encoding``."""
+        key = cache_key(enc, source, kind, settings, precision)
+        actual = entry_path(enc, kind, source, settings, "/c", precision)
+        assert actual.name == entry_dir("/c", key, kind.folder).name and key.pop("word_encoding") == WORD_ENCODING
+        before = entry_dir("/c", key, kind.folder).name
+        assert actual.name != before
+        return before
 
     assert name(AttentionMaps(), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-1baccda766a00fb2"
     assert name(AttentionMaps(), TreebankSplit(tb, "dev", 1), s) == "tiny-bert-6dbe4a76e6ed-pin-dev-83ab0f4b04c9285b"
@@ -394,10 +404,12 @@ def test_cache_keys_are_those_of_existing_caches(tmp_path):
     assert name(AttentionMaps(), coref, fit.replace(maps="rollout")) == \
         "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-8c4649960c313d8e"
     # one builder: the attention folder's name is entry_dir's of cache_key
-    assert entry_dir("/c", cache_key(enc, dev, AttentionMaps(), s, "32-true")).name == name(AttentionMaps(), dev, s)
+    assert entry_dir("/c", cache_key(enc, dev, AttentionMaps(), s, "32-true")).name == \
+        entry_path(enc, AttentionMaps(), dev, s, "/c", "32-true").name
     # bf16-mixed attention maps are computed with the model held in bf16: their own field, so entries of the
     # autocast path are not reused; other kinds and map kinds keep their keys (the flow names above)
     held = cache_key(enc, dev, AttentionMaps(), s, "bf16-mixed")
+    assert held.pop("word_encoding") == WORD_ENCODING  # the names below: as before the rule existed
     assert held.pop("rows") == "packed"  # BERT-style encoders on packed rows: new bf16 maps, new entries
     assert entry_dir("/c", held).name == "tiny-bert-6dbe4a76e6ed-pin-dev-7d8570aea2fb046e"  # the held path's (before)
     assert held.pop("held") == "bfloat16"

@@ -23,6 +23,7 @@ from probes.analysis.context import run_analysis
 from probes.model import hooks
 from probes.model.inputs import encode_words, pad_encoded, pool_attention, pooling_matrix
 from probes.model.tiny import FAMILIES, tiny_encoder, tiny_folder
+from tests import reference
 from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train, require_shared, shared_data_dir
 
 SENTS = [["The", "unbelievably", "quick", "fox", "jumped", "over", "the", "dog", "."],
@@ -40,15 +41,11 @@ def models(tmp_path_factory):
 
 
 def reference_word_maps(folder, tokenizer, words) -> np.ndarray:
-    """(L, H, W, W) word maps of a plain eager fp32 forward (no hooks, no batching), Clark pooling."""
+    """(L, H, W, W) word maps of a plain eager fp32 forward (no hooks, no batching) of the words as running text,
+    Clark pooling by explicit loops (:func:`tests.reference.eager_word_maps`: the tokenizer on the joined
+    string, nothing from probes.model.inputs)."""
     model = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
-    (e,) = encode_words(tokenizer, [words])
-    with torch.no_grad():
-        attn = torch.stack(model(input_ids=torch.tensor([e.input_ids]), output_attentions=True).attentions, 1)[0]
-    L, H, T, _ = attn.shape
-    frm = pooling_matrix(e.word_of_piece, e.n_words, "mean")[None]
-    to = pooling_matrix(e.word_of_piece, e.n_words, "sum")[None]
-    return pool_attention(attn.reshape(1, L * H, T, T), frm, to)[0].reshape(L, H, e.n_words + 2, -1).numpy()
+    return reference.eager_word_maps(model, tokenizer, words)[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -15,16 +15,25 @@ from probes.analysis.westera.flow import correlations, pair_rows, select_sentenc
 from probes.measures.gradflow import (attribution_distribution, block_functions, gradient_flow, head_attributions,
                                       hidden_and_attention)
 from probes.model import hooks
-from probes.model.inputs import encode_words, pooling_matrix
 from probes.model.load import tiny_bert
-from tests.reference import gradient_flow_loop
+from tests.reference import gradient_flow_loop, pool_by_loops, pooling_by_hand, text_pieces, word_groups
 
 WORDS = ["the", "qwertyuiop", "cat", "saw", "dogs", "."]
 
 
 def _ids(enc, words=WORDS):
-    e = encode_words(enc.tokenizer, [words])[0]
-    return e, torch.tensor(e.input_ids)
+    """(word of every piece or None for a special, ids) of the words as running text
+    (:func:`tests.reference.text_pieces`, nothing from probes.model.inputs)."""
+    ids, wids = text_pieces(enc.tokenizer, words)
+    return wids, torch.tensor(ids)
+
+
+def _pooling(wids, n_words):
+    """(from, to) (n_words + 2, T) word pooling matrices written out by hand (rows mean, columns sum): row 0 the
+    specials before the words, row n_words + 1 those after."""
+    first = next(t for t, w in enumerate(wids) if w is not None)
+    wop = [w if w is not None else (-1 if t < first else n_words) for t, w in enumerate(wids)]
+    return pooling_by_hand(wop, n_words, "mean"), pooling_by_hand(wop, n_words, "sum")
 
 
 def _randomise_layernorms(model, seed=0):
@@ -62,13 +71,12 @@ def test_identity_model_is_identity():
 @pytest.mark.parametrize("level", ["piece", "word"])
 def test_identity_layers_give_identity_flow(level):
     enc = identity_bert()
-    e, ids = _ids(enc)
+    wids, ids = _ids(enc)
     D = enc.config.hidden_size
     fm = tm = None
     if level == "word":
-        fm = pooling_matrix(e.word_of_piece, e.n_words, "mean")
-        tm = pooling_matrix(e.word_of_piece, e.n_words, "sum")
-        assert e.n_pieces > e.n_words + 2  # "qwertyuiop" is split, so pooling is exercised
+        fm, tm = _pooling(wids, len(WORDS))
+        assert len(wids) > len(WORDS) + 2  # "qwertyuiop" is split, so pooling is exercised
     out = gradient_flow(enc.model, ids, fm, tm)
     n = out["G"].shape[-1]
     # d sum_d h_n(t2) / d h_{n-1}(t1) = 1_D if t1 == t2 else 0 -> 2-norm sqrt(D) * identity
@@ -94,24 +102,23 @@ def test_batched_flow_equals_per_pair_loop(chain):
 def test_batched_flow_chunked_and_pooling_linear():
     enc = tiny_bert()
     _randomise_layernorms(enc.model, 1)
-    e, ids = _ids(enc)
+    wids, ids = _ids(enc)
     a = gradient_flow(enc.model, ids)
     b = gradient_flow(enc.model, ids, chunk_size=2)
     torch.testing.assert_close(a["G"], b["G"])
-    # word-level attention = the cache's pooling of the head-mean attention
-    fm = pooling_matrix(e.word_of_piece, e.n_words, "mean")
-    tm = pooling_matrix(e.word_of_piece, e.n_words, "sum")
+    # word-level attention = the cache's pooling of the head-mean attention (explicit loops over the pieces)
+    fm, tm = _pooling(wids, len(WORDS))
     w = gradient_flow(enc.model, ids, fm, tm)
-    torch.testing.assert_close(w["A"], fm @ a["A"] @ tm.T, atol=1e-6, rtol=1e-5)
+    want = pool_by_loops(a["A"].numpy(), word_groups(wids, len(WORDS)))  # (L, W, W)
+    torch.testing.assert_close(w["A"], torch.from_numpy(want).float(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(w["A"].sum(-1), torch.ones(w["A"].shape[:2]), atol=1e-5, rtol=1e-5)
 
 
 def test_correlations_table():
     enc = tiny_bert()
     _randomise_layernorms(enc.model)
-    e, ids = _ids(enc)
-    fm = pooling_matrix(e.word_of_piece, e.n_words, "mean")
-    tm = pooling_matrix(e.word_of_piece, e.n_words, "sum")
+    wids, ids = _ids(enc)
+    fm, tm = _pooling(wids, len(WORDS))
     df = pair_rows(0, WORDS, gradient_flow(enc.model, ids, fm, tm))
     W = len(WORDS) + 2
     assert len(df) == 2 * W * W and df.special.sum() == 2 * (W * W - (W - 2) ** 2)

@@ -26,10 +26,10 @@ from probes.measures import build, iter_maps
 from probes.measures.rollout import flow_maps
 from probes.measures.value_zeroing import ValueZeroing
 from probes.model import hooks
-from probes.model.inputs import encode_words, pad_encoded
 from probes.model.load import load_packaged
 from probes.model.tiny import FAMILIES, tiny_folder
 from tests.conftest import ROOT, TINY_CONLLU
+from tests.reference import pool_by_loops, text_pieces, word_groups
 
 KINDS = ("attention", "rollout", "flow", "norm", "norm_res_ln", "alti", "value_zeroing", "grad_attribution")
 MEASURES = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "extract" / "default.yaml"))["measures"]
@@ -47,8 +47,10 @@ def _setup(folder):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    enc = encode_words(tok, SENTS)
-    batch = pad_encoded(enc, tok.pad_token_id or 0)
+    seqs = [tok(" ".join(words))["input_ids"] for words in SENTS]  # each sentence as running text
+    T = max(len(x) for x in seqs)
+    batch = dict(input_ids=torch.tensor([x + [tok.pad_token_id or 0] * (T - len(x)) for x in seqs]),
+                 attention_mask=torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in seqs]))  # right-padded
     model = hooks.prepare(AutoModel.from_pretrained(folder).eval())
     ref = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():  # the random tiny model mixes little: larger values make the measures well conditioned
@@ -56,7 +58,7 @@ def _setup(folder):
             for name, p in m.named_parameters():
                 if any(k in name for k in ("value.weight", "Wqkv.weight", "attention.output.dense.weight", "Wo.weight")):
                     p.mul_(8.0)
-    return model, ref, batch, [torch.tensor(e.input_ids) for e in enc]
+    return model, ref, batch, [torch.tensor(x) for x in seqs]
 
 
 def _measure(kind, model, batch):
@@ -275,7 +277,6 @@ def test_extract_and_dep_heads_with_kind(family, kind, tmp_path):
     from probes.analysis.context import run_analysis
     from probes.extract.cache import AttentionCache
     from probes.extract.run import run
-    from probes.model.inputs import pooling_matrix
 
     data = tmp_path / "data"
     (data / "ud_english_ewt").mkdir(parents=True)
@@ -298,14 +299,14 @@ def test_extract_and_dep_heads_with_kind(family, kind, tmp_path):
 
     enc = instantiate(tcfg.encoder)
     words = ["John", "'s", "cat", "sat", "on", "the", "unbelievably-comfortable", "!"]
-    e = encode_words(enc.tokenizer, [words])[0]
-    x = torch.tensor(e.input_ids)
+    ids, wids = text_pieces(enc.tokenizer, words)  # running text, each piece's word from its characters
+    assert wids[0] is None and wids[-1] is None  # first and last special: W = words + 2 rows
+    x = torch.tensor(ids)
     # the decomposition's parts are found in every family: post-LN blocks everywhere but ModernBERT (pre-LN)
     assert [p.post_ln for p in hooks.layer_parts(hooks.prepare(enc.model.eval()))] == [family != "modernbert"] * 2
     piece = _measure(kind, hooks.prepare(enc.model.eval()), {"input_ids": x[None],
                                                              "attention_mask": torch.ones_like(x)[None]})[0]
-    fm, tm = pooling_matrix(e.word_of_piece, e.n_words, "mean"), pooling_matrix(e.word_of_piece, e.n_words, "sum")
-    want = (fm @ piece.float() @ tm.T).numpy()
+    want = pool_by_loops(piece.float().numpy(), word_groups(wids, len(words)))  # rows mean, columns sum, by loops
     np.testing.assert_allclose(np.asarray(cache[1], dtype=np.float32), want, atol=2e-3, rtol=2e-3)
 
 
@@ -364,8 +365,7 @@ def test_value_zeroing_float32_model_equals_float64_reference():
     where a float32 ``1 - cos`` was rounding noise (errors up to 7e-3, entries down to -8e-3 on this sentence)."""
     enc = load_packaged()
     words = "The quick brown fox jumps over the lazy dog near the bank .".split()
-    e = encode_words(enc.tokenizer, [words])[0]
-    ids = torch.tensor([e.input_ids])  # (1, T)
+    ids = torch.tensor([enc.tokenizer(" ".join(words))["input_ids"]])  # (1, T) the sentence as running text
     mask = torch.ones_like(ids)
     with torch.no_grad():
         got = torch.stack(ValueZeroing()(enc.model, ids, mask))[:, 0, 0].numpy()  # (L, T, T)

@@ -17,6 +17,7 @@ from probes.extract.representations import (RepresentationCache, build_hidden_ca
 from probes.extract.settings import ExtractSettings
 from probes.model.hidden import hidden_states
 from probes.model.tiny import tiny_encoder
+from tests.reference import text_pieces
 
 # conf/extract with small batches on the CPU, as a plain dict (the entry points take either)
 EXTRACT = OmegaConf.to_container(compose_train(
@@ -40,12 +41,14 @@ def models(tmp_path_factory) -> Path:
 
 
 def _by_hand(encoder, words: list[str], layer: int, pooling: str) -> np.ndarray:
-    """(n, D): one sentence alone through the base model (transformers' own hidden_states), pooled by hand."""
-    tok = encoder.tokenizer(words, is_split_into_words=True, return_tensors="pt")
+    """(n, D): one sentence alone as running text (the tokenizer on the joined words, each piece's word from its
+    characters: :func:`tests.reference.text_pieces`) through the base model (transformers' own hidden_states),
+    pooled by hand."""
+    ids, wids = text_pieces(encoder.tokenizer, words)
+    x = torch.tensor([ids])
     with torch.no_grad():
-        states = encoder.base(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"],
+        states = encoder.base(input_ids=x, attention_mask=torch.ones_like(x),
                               output_hidden_states=True).hidden_states[layer][0]  # (T, D)
-    wids = tok.word_ids(0)
     out = []
     for w in range(len(words)):
         pieces = [t for t, x in enumerate(wids) if x == w]

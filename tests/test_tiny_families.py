@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
 from probes.model.tiny import FAMILIES, MODERNBERT_LOCAL_ATTENTION, build_tiny, tiny_folder
+from tests.reference import text_pieces
 
 WORDS = ["The", "unbelievably", "quick", "fox", "jumped", "."]
 SIZES = dict(num_layers=2, num_heads=4, hidden=32, intermediate=64, max_positions=128)
@@ -44,8 +45,7 @@ def loaded(folder):
     return get
 
 
-def _pieces_per_word(enc, n_words: int) -> list[list[int]]:
-    ids, wids = enc["input_ids"], enc.word_ids()
+def _pieces_per_word(ids: list[int], wids: list[int | None], n_words: int) -> list[list[int]]:
     return [[i for i, w in zip(ids, wids) if w == k] for k in range(n_words)]
 
 
@@ -71,28 +71,31 @@ def test_loads_offline(folder, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pre_split_words(loaded, family):
+    """Words read as running text (the tokenizer on the joined words, each piece's word from its characters:
+    :func:`tests.reference.text_pieces`): the specials around, every word with pieces of its own, in order, that
+    spell the word, no unknown token; a word has the same pieces at the start of a text as in the middle
+    (byte-level BPE with add_prefix_space: "Ġword", Metaspace: "▁word")."""
     tok, _ = loaded(family)
-    enc = tok(WORDS, is_split_into_words=True)
-    ids, wids = enc["input_ids"], enc.word_ids()
+    ids, wids = text_pieces(tok, WORDS)
     assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
     assert wids[0] is None and wids[-1] is None
     inner = wids[1:-1]
     assert None not in inner and inner == sorted(inner) and set(inner) == set(range(len(WORDS)))
     assert tok.unk_token_id not in ids
-    split = _pieces_per_word(enc, len(WORDS))
-    # same pieces as inside running text (byte-level BPE: " word", Metaspace: "▁word")
-    running = tok(" ".join(WORDS))
-    assert _pieces_per_word(running, len(WORDS)) == split
+    split = _pieces_per_word(ids, wids, len(WORDS))
+    for k, word in enumerate(WORDS):
+        spelt = tok.convert_tokens_to_string(tok.convert_ids_to_tokens(split[k])).strip()
+        assert spelt.casefold() == word.casefold(), (word, tok.convert_ids_to_tokens(split[k]))
     # a word in the middle is tokenized as the same word at the start
     for k, word in enumerate(WORDS):
-        alone = tok([word], is_split_into_words=True)
-        assert _pieces_per_word(alone, 1)[0] == split[k], (word, tok.convert_ids_to_tokens(split[k]))
+        alone = text_pieces(tok, [word])
+        assert _pieces_per_word(*alone, 1)[0] == split[k], (word, tok.convert_ids_to_tokens(split[k]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_eager_attentions(loaded, family):
     tok, model = loaded(family)
-    enc = tok(WORDS, is_split_into_words=True, return_tensors="pt")
+    enc = tok(" ".join(WORDS), return_tensors="pt")  # the words as running text
     with torch.no_grad():
         out = model(**enc, output_attentions=True)
     T = enc["input_ids"].shape[1]
@@ -107,7 +110,7 @@ def test_full_length(loaded, family):
     """A sequence of max_positions tokens (special tokens included) fits the position embeddings."""
     tok, model = loaded(family)
     n = SIZES["max_positions"]
-    word = tok(["fox"], is_split_into_words=True)["input_ids"][1]
+    word = tok("fox")["input_ids"][1]
     ids = torch.tensor([[tok.cls_token_id] + [word] * (n - 2) + [tok.sep_token_id]])
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
@@ -119,7 +122,7 @@ def test_modernbert_sliding_window(loaded):
     tok, model = loaded("modernbert")
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
     words = "the cat sat on the mat and then it ran away from the big dog very quickly".split()
-    enc = tok(words, is_split_into_words=True, return_tensors="pt")
+    enc = tok(" ".join(words), return_tensors="pt")
     T = enc["input_ids"].shape[1]
     assert T > MODERNBERT_LOCAL_ATTENTION
     with torch.no_grad():

@@ -42,6 +42,7 @@ import numpy as np
 from filelock import FileLock, Timeout
 
 from probes.io import atomic_write_text
+from probes.model.inputs import WORD_ENCODING
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def cache_key_hash(key: dict) -> str:
 def cache_key(encoder, source, kind, settings, precision: str) -> dict:
     """Everything that changes an entry's contents, for every cache kind; its hash names the entry.
 
-    The fields common to every kind (format, encoder name and weights, ``max_length``, precision, storage; for a
+    The fields common to every kind (format, encoder name and weights, the rule that makes words into pieces
+    (:data:`probes.model.inputs.WORD_ENCODING`), ``max_length``, precision, storage; for a
     causal LM also whether each sequence starts with a BOS, :meth:`~probes.model.load.Encoder.key_fields`),
     then ``source.key_fields(settings)`` (which sentences: dataset, split, data digest, how many or how they
     were made, the long-sentence policy where it applies) and ``kind.key_fields(encoder, settings)`` (what is
@@ -67,7 +69,8 @@ def cache_key(encoder, source, kind, settings, precision: str) -> dict:
     """
     computed = getattr(kind, "precision_fields", None)  # how a kind computes at this precision, where it says
     return dict(format_version=FORMAT_VERSION, encoder=encoder.name, revision=encoder.fingerprint,
-                max_length=settings.max_length_for(encoder), precision=precision, storage="float16",
+                word_encoding=WORD_ENCODING, max_length=settings.max_length_for(encoder), precision=precision,
+                storage="float16",
                 **encoder.key_fields(), **source.key_fields(settings), **kind.key_fields(encoder, settings),
                 **(computed(settings, precision) if computed else {}))
 

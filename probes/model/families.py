@@ -59,11 +59,11 @@ def is_causal(config) -> bool:
 
 
 def special_ids(tokenizer) -> tuple[list[int], list[int]]:
-    """(ids before the first word, ids after the last word) that the tokenizer adds to one sequence of
-    pre-split words: ([CLS], [SEP]) for BERT, ([BOS], []) for Llama, ([], []) for GPT-2."""
-    enc = tokenizer(["a", "b"], is_split_into_words=True, add_special_tokens=True)
-    ids, wids = list(enc["input_ids"]), enc.word_ids()
-    words = [i for i, w in enumerate(wids) if w is not None]
+    """(ids before the first word, ids after the last word) that the tokenizer adds to one text:
+    ([CLS], [SEP]) for BERT, ([BOS], []) for Llama, ([], []) for GPT-2."""
+    enc = tokenizer("a b", add_special_tokens=True)
+    ids, seq = list(enc["input_ids"]), enc.sequence_ids()
+    words = [i for i, s in enumerate(seq) if s is not None]
     return ids[:words[0]], ids[words[-1] + 1:]
 
 

@@ -1,4 +1,7 @@
-"""Model inputs: pre-split words to pieces, one padding routine, length batches, piece -> word pooling.
+"""Model inputs: words to pieces as running text, one padding routine, length batches, piece -> word pooling.
+
+Words are read as the model's own tokenizer reads the sentence they make, joined by single spaces
+(:func:`encode_words`, :data:`WORD_ENCODING`), and must read back as that text (:func:`check_pieces`).
 
 Every sequence is ``[first special] pieces [last special]`` as the tokenizer adds them: [CLS] ... [SEP] for
 BERT-style vocabularies, <s> ... </s> for RoBERTa-style ones, ``<s> ...`` (BOS only) for Llama-style causal
@@ -12,18 +15,23 @@ BOS), so pairs of a tokenizer whose own pair template has no separator token bet
 joined by :func:`pair_separator` as ``[first special] A <sep> B [last special]`` (the decoder pair form):
 ``<sep>`` is the tokenizer's separator token, or its EOS where it has none (SmolLM2, GPT-2, Llama, Qwen);
 the specials around are those of one sequence (a BOS where the tokenizer adds one); each segment has the
-pieces it has alone (pre-split words as :func:`encode_words` makes them: byte-level BPE words with their
-prefix space, in B as in A). Nothing follows B, so a classifier's last real token is B's last piece.
+pieces it has alone (each segment running text on its own, as :func:`encode_words` makes it: a decoder's
+first word of B as at the start of a text, as for A). Nothing follows B, so a classifier's last real token is B's last piece.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from probes.model.families import special_ids
+
+log = logging.getLogger(__name__)
 
 # How attention *from* a split word (rows) and *to* a split word (columns) is pooled over its
 # pieces. Clark et al.: rows are averaged (mean), columns are summed (sum), so rows still sum to 1.
@@ -44,45 +52,176 @@ class Encoded:
         return len(self.input_ids)
 
 
-def encode_words(tokenizer, sentences: Sequence[Sequence[str]]) -> list[Encoded]:
-    """Tokenize pre-split words (any family: WordPiece, byte-level BPE with prefix space, Unigram).
+# The rule by which pre-split words become pieces; part of every cache key (an entry made by another rule is never
+# read). "running-text": the model's own tokenizer on the words joined by single spaces, each piece given to the
+# word its characters come from (:func:`encode_words`).
+WORD_ENCODING = "running-text"
 
-    A word with no pieces (e.g. a control character) becomes the unknown token, so every word has
-    at least one piece; the special tokens are those the tokenizer itself adds before the first word
-    (``word_of_piece`` -1) and after the last (``n``): [CLS]/[SEP], a causal LM's BOS, or none.
+
+class TokenizationError(ValueError):
+    """The pieces of a sentence do not read back as its text: the tokenizer glues or splits its words."""
+
+
+def check_words(sentences: Sequence[Sequence[str]], what: str = "sentence") -> list[list[str]]:
+    """``sentences`` as lists of non-empty strings without whitespace at either end; a clear error naming the
+    sentence, the word and its type otherwise (a bare string is not a list of words)."""
+    out = []
+    for i, words in enumerate(sentences):
+        if isinstance(words, str) or not isinstance(words, Sequence):
+            raise TypeError(f"{what} {i}: expected a list of words, got {type(words).__name__} {words!r:.60}")
+        for j, w in enumerate(words):
+            if not isinstance(w, str):
+                raise TypeError(f"{what} {i}, word {j}: expected a string, got {type(w).__name__} {w!r:.60} "
+                                f"(in {list(words)!r:.120})")
+            if not w.strip() or w != w.strip():
+                raise ValueError(f"{what} {i}, word {j}: {w!r} is empty or starts/ends with whitespace; words are "
+                                 f"joined by single spaces (in {list(words)!r:.120})")
+        out.append(list(words))
+    return out
+
+
+def running_text(words: Sequence[str]) -> tuple[str, list[tuple[int, int]]]:
+    """The words joined by single spaces and each word's character span ``(start, end)`` in that text."""
+    spans, pos = [], 0
+    for w in words:
+        spans.append((pos, pos + len(w)))
+        pos += len(w) + 1
+    return " ".join(words), spans
+
+
+def encode_words(tokenizer, sentences: Sequence[Sequence[str]]) -> list[Encoded]:
+    """Pre-split words as the model reads running text (every tokenizer family; :data:`WORD_ENCODING`).
+
+    Each sentence's words are joined by single spaces and tokenized by the model's own tokenizer, with its
+    specials, exactly as the plain text would be: GPT-2/Llama/Qwen-style byte-level BPE reads ``The Ġcat``,
+    SentencePiece ``▁The ▁cat``, WordPiece ``the cat``; RoBERTa and ModernBERT, whose tokenizers are loaded with
+    ``add_prefix_space=True`` (:func:`probes.model.load.load_tokenizer`), ``ĠThe Ġcat``. Every piece belongs
+    to the word its characters come from (its character offsets); a piece of spaces alone to the next word.
+    Rules where a tokenizer does not split at the spaces, counted in the log: a piece that spans two words
+    belongs to the word where it starts; a word left without a piece of its own (its text merged into a
+    neighbour's piece, or removed by the tokenizer's normaliser) gets the unknown token in its place. The
+    pieces must read back as the text (:func:`check_pieces`): a tokenizer that glues or splits words is a
+    :class:`TokenizationError` before any forward. ``word_of_piece``: -1 for the specials before the first
+    word, n after the last.
     """
-    sentences = [list(s) for s in sentences]
-    out = tokenizer(sentences, is_split_into_words=True, add_special_tokens=True)
-    encoded = []
-    for b, words in enumerate(sentences):
-        ids, wids = out["input_ids"][b], out.word_ids(b)
-        n = len(words)
-        word_of_piece = _word_rows(wids, n)
-        if word_of_piece is None:
-            ids, wids = _encode_word_by_word(tokenizer, words)
-            word_of_piece = _word_rows(wids, n)
-        encoded.append(Encoded(list(ids), word_of_piece, n))
+    sentences = check_words(sentences)
+    if not sentences:
+        return []
+    texts = [running_text(words) for words in sentences]
+    out = tokenizer([t for t, _ in texts], add_special_tokens=True, return_offsets_mapping=True)
+    spaced = spaces_in_pieces(tokenizer)
+    encoded, merged, filled = [], 0, 0
+    for b, (words, (text, spans)) in enumerate(zip(sentences, texts)):
+        ids, wop, m, f = _assign_words(tokenizer, list(out["input_ids"][b]), out.sequence_ids(b),
+                                       out["offset_mapping"][b], text, spans)
+        merged, filled = merged + m, filled + f
+        check_pieces(tokenizer, [i for i, w in zip(ids, wop) if 0 <= w < len(words)], text, spaced, sentence=b)
+        encoded.append(Encoded(ids, wop, len(words)))
+    if merged or filled:
+        log.info("%s: %d piece(s) spanned two words (given to the word where they start), %d word(s) had no piece "
+                 "of their own (read as the unknown token) in %d sentences", _name(tokenizer), merged, filled,
+                 len(sentences))
     return encoded
 
 
-def _word_rows(wids: Sequence[int | None], n: int) -> list[int] | None:
-    """Word of every piece: -1 for specials before the first word, n after the last; None when some word has
-    no piece or a special sits between words (then the sentence is tokenized word by word)."""
-    real = [i for i, w in enumerate(wids) if w is not None]
-    if len({wids[i] for i in real}) != n or (real and real[-1] - real[0] + 1 != len(real)):
-        return None
-    return [w if w is not None else (-1 if i < real[0] else n) for i, w in enumerate(wids)]
+def _assign_words(tokenizer, ids: list[int], seq: list[int | None], offsets, text: str,
+                  spans: list[tuple[int, int]]) -> tuple[list[int], list[int], int, int]:
+    """(ids, word of every piece, pieces spanning two words, words filled with the unknown token) of one sentence's
+    running-text encoding; ``seq`` None marks the tokenizer's specials."""
+    n = len(spans)
+    char_word = [-1] * len(text)  # (C,) word of each character, -1 for the spaces between words
+    for k, (a, e) in enumerate(spans):
+        for c in range(a, e):
+            if not text[c].isspace():
+                char_word[c] = k
+    content = [i for i, s in enumerate(seq) if s is not None]
+    if content and content[-1] - content[0] + 1 != len(content):
+        raise TokenizationError(f"{_name(tokenizer)} puts a special token between the words of {text!r:.80}")
+    words, merged = [], 0
+    for i in content:
+        a, e = offsets[i]
+        hit = sorted({char_word[c] for c in range(a, e) if char_word[c] >= 0})
+        if not hit:  # a piece of spaces alone (or with no characters): the next word's
+            nxt = [char_word[c] for c in range(e, len(text)) if char_word[c] >= 0]
+            hit = [nxt[0] if nxt else (words[-1] if words else 0)]
+        merged += len(hit) > 1
+        words.append(hit[0])
+    first = content[0] if content else len(special_ids(tokenizer)[0])  # no piece at all: after the first specials
+    head = ([-1] * first, ids[:first])
+    tail_ids = ids[first + len(content):]
+    body_ids = [ids[i] for i in content]
+    missing = sorted(set(range(n)) - set(words))
+    if missing:  # each such word gets the unknown token, in word order
+        if tokenizer.unk_token_id is None:
+            raise TokenizationError(f"{_name(tokenizer)}: word {missing[0]} ({text[slice(*spans[missing[0]])]!r}) of "
+                                    f"{text!r:.80} has no piece of its own and the tokenizer has no unknown token")
+        pairs = sorted([(w, t, i) for t, (w, i) in enumerate(zip(words, body_ids))] +
+                       [(w, -1, tokenizer.unk_token_id) for w in missing])
+        words, body_ids = [w for w, _, _ in pairs], [i for _, _, i in pairs]
+    if words != sorted(words):
+        raise TokenizationError(f"{_name(tokenizer)} reads the words of {text!r:.80} out of order")
+    return head[1] + body_ids + tail_ids, head[0] + words + [n] * len(tail_ids), merged, len(missing)
 
 
-def _encode_word_by_word(tokenizer, words: list[str]) -> tuple[list[int], list[int | None]]:
-    pieces = tokenizer(words, is_split_into_words=False, add_special_tokens=False)["input_ids"]
-    first, last = special_ids(tokenizer)
-    ids, wids = list(first), [None] * len(first)
-    for w, p in enumerate(pieces):
-        p = p or [tokenizer.unk_token_id]
-        ids += p
-        wids += [w] * len(p)
-    return ids + list(last), wids + [None] * len(last)
+def _name(tokenizer) -> str:
+    return f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '') or 'unnamed'})"
+
+
+def spaces_in_pieces(tokenizer) -> bool:
+    """Whether the tokenizer's pieces carry the spaces of the text (byte-level BPE's ``Ġ``, SentencePiece's
+    ``▁``): then the pieces decoded must give back exactly the text's spaces. WordPiece's pieces carry none (its
+    decoder puts spaces back by rule: ``a.b`` reads back as ``a . b``); there the characters are checked and the
+    words are split at the spaces by the tokenizer's pre-tokenizer whatever the pieces."""
+    ids = tokenizer("a.b", add_special_tokens=False)["input_ids"]
+    return _canon(tokenizer.decode(ids, clean_up_tokenization_spaces=False)).strip() == "a.b"
+
+
+def _canon(s: str) -> str:
+    """Text modulo what tokenizers' normalisers do: compatibility forms, accents, case, control characters; every
+    whitespace character as a space."""
+    s = unicodedata.normalize("NFKD", s)
+    s = "".join(" " if c.isspace() else c for c in s
+                if unicodedata.category(c) not in ("Mn", "Cc", "Cf") or c.isspace())
+    return s.casefold()
+
+
+def _reads_as(decoded: str, text: str, unk: str | None, spaced: bool, prefix: bool = False) -> bool:
+    """Whether ``decoded`` (pieces decoded) reads as ``text`` (canonical forms, :func:`_canon`): the same
+    characters and (``spaced``) the same spaces, no more and no fewer; the unknown token stands for any characters
+    of one word. ``prefix``: ``decoded`` need only read as the start of ``text``."""
+    d, t = _canon(decoded).strip(), _canon(text).strip()
+    if not spaced:
+        d, t = "".join(d.split()), "".join(t.split())
+    if not prefix and (unk is None or unk not in decoded) and d == t:
+        return True
+    parts = re.split(f"({re.escape(_canon(unk))})", d) if unk else [d]
+    pattern = ""
+    for k, part in enumerate(parts):
+        if k % 2:
+            pattern += r"\S*?"
+            continue
+        for run in re.findall(r"\s+|\S", part):
+            pattern += r"\s+" if run.isspace() else re.escape(run)
+    return (re.match if prefix else re.fullmatch)(pattern, t) is not None
+
+
+def check_pieces(tokenizer, ids: Sequence[int], text: str, spaced: bool | None = None, sentence: int | str = "") -> None:
+    """Raise :class:`TokenizationError` unless the pieces ``ids`` (no specials) decoded read as ``text``
+    (:func:`_reads_as`), naming the tokenizer, the sentence and the first differing piece."""
+    spaced = spaces_in_pieces(tokenizer) if spaced is None else spaced
+    unk = tokenizer.unk_token if tokenizer.unk_token_id is not None else None
+    ids = list(ids)
+    if _reads_as(tokenizer.decode(ids, clean_up_tokenization_spaces=False), text, unk, spaced):
+        return
+    bad = next((t for t in range(1, len(ids) + 1)
+                if not _reads_as(tokenizer.decode(ids[:t], clean_up_tokenization_spaces=False), text, unk, spaced,
+                                 prefix=True)), len(ids))
+    piece = tokenizer.convert_ids_to_tokens(ids[bad - 1]) if ids else None
+    read = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    raise TokenizationError(
+        f"{_name(tokenizer)} does not read sentence {sentence} as its text: {text!r:.200} reads back as "
+        f"{read!r:.200}; first differing piece: #{bad - 1} {piece!r}. The tokenizer glues or splits words, so the "
+        "model would read text no one writes; use a tokenizer that keeps the text's spaces")
 
 
 def encode_texts(tokenizer, text_a: str, text_b: str | None = None, max_length: int | None = None,
@@ -242,7 +381,7 @@ def encode_word_pairs(tokenizer, pairs: Sequence[tuple[Sequence[str], Sequence[s
     """Sentence pairs of pre-split words as the tokenizer joins two segments: ``[CLS] A [SEP] B [SEP]``
     (RoBERTa-style: ``<s> A </s></s> B </s>``), with its token types (None where it has none); a causal LM's
     tokenizer (no separator in its pair template): the decoder pair form ``[BOS] A <sep> B`` (module doc,
-    :func:`pair_separator`), no token types.
+    :func:`pair_separator`), no token types. Each segment is running text (:func:`encode_words`' rules and check).
 
     ``word_of_piece``: -1 for the first special token (BOS; none without one), 0..nA-1 for A's words,
     nA..nA+nB-1 for B's, ``n_words`` = nA + nB for every other special token (the separator(s) between
@@ -251,28 +390,42 @@ def encode_word_pairs(tokenizer, pairs: Sequence[tuple[Sequence[str], Sequence[s
     pairs = [(list(a), list(b)) for a, b in pairs]
     if not pairs:
         return []
+    check_words([s for pair in pairs for s in pair], what="segment")
     sep = pair_separator(tokenizer)
     if sep is not None:
         return _decoder_word_pairs(tokenizer, pairs, sep)
-    out = tokenizer([a for a, _ in pairs], [b for _, b in pairs], is_split_into_words=True, add_special_tokens=True)
+    texts = [(running_text(a), running_text(b)) for a, b in pairs]
+    out = tokenizer([ta for (ta, _), _ in texts], [tb for _, (tb, _) in texts], add_special_tokens=True,
+                    return_offsets_mapping=True)
+    spaced = spaces_in_pieces(tokenizer)
     encoded = []
-    for k, (a, b) in enumerate(pairs):
-        ids, wids, seq = out["input_ids"][k], out.word_ids(k), out.sequence_ids(k)
+    for k, ((a, b), ((ta, sa), (tb, sb))) in enumerate(zip(pairs, texts)):
+        ids, seq, offs = list(out["input_ids"][k]), out.sequence_ids(k), out["offset_mapping"][k]
         tt = list(out["token_type_ids"][k]) if "token_type_ids" in out else None
-        got = {(s, w) for s, w in zip(seq, wids) if w is not None}
-        if got != {(0, w) for w in range(len(a))} | {(1, w) for w in range(len(b))} or wids[0] is not None \
-                or wids[-1] is not None:
-            ids, wids, seq, tt = _pair_word_by_word(tokenizer, a, b)
         n = len(a) + len(b)
-        wop = [-1 if i == 0 else n if w is None else w + (len(a) if s == 1 else 0)
-               for i, (w, s) in enumerate(zip(wids, seq))]
-        encoded.append(Encoded(list(ids), wop, n, tt))
+        wop = [n] * len(ids)
+        for s_id, words, text, spans, shift in ((0, a, ta, sa, 0), (1, b, tb, sb, len(a))):
+            pos = [i for i, s in enumerate(seq) if s == s_id]
+            seg_ids, seg_wop, _, missing = _assign_words(
+                tokenizer, [ids[i] for i in pos], [0] * len(pos), [offs[i] for i in pos], text, spans)
+            if missing or (pos and pos[-1] - pos[0] + 1 != len(pos)):
+                raise TokenizationError(f"{_name(tokenizer)}: segment {s_id} of pair {k} ({text!r:.80}) has a word "
+                                        "without a piece of its own or a special token inside")
+            check_pieces(tokenizer, seg_ids, text, spaced, sentence=f"{k} (segment {s_id})")
+            for i, w in zip(pos, seg_wop):
+                wop[i] = w + shift
+        first = next(i for i, s in enumerate(seq) if s is not None)
+        wop[:first] = [-1] * first if first else []
+        if first > 1:  # every special before A but the first goes with the last special row
+            wop[1:first] = [n] * (first - 1)
+        encoded.append(Encoded(ids, wop, n, tt))
     return encoded
 
 
 def _decoder_word_pairs(tokenizer, pairs: list[tuple[list[str], list[str]]], sep: list[int]) -> list[Encoded]:
-    """The decoder pair form of pre-split words: each segment's pieces as :func:`encode_words` makes them
-    (its specials dropped), joined as ``first A sep B last`` with the specials of one sequence."""
+    """The decoder pair form of pre-split words: each segment's pieces as :func:`encode_words` makes them (each
+    segment running text on its own, its specials dropped), joined as ``first A sep B last`` with the specials of
+    one sequence."""
     first, last = special_ids(tokenizer)
     segs = encode_words(tokenizer, [s for pair in pairs for s in pair])
     encoded = []
@@ -285,28 +438,3 @@ def _decoder_word_pairs(tokenizer, pairs: list[tuple[list[str], list[str]]], sep
         wop = [-1] * len(first) + [w for _, w in pa] + [n] * len(sep) + [w for _, w in pb] + [n] * len(last)
         encoded.append(Encoded(ids, wop, n, None))
     return encoded
-
-
-def _pair_word_by_word(tokenizer, a: list[str], b: list[str]):
-    """(ids, word ids, sequence ids, token types) of a pair from :func:`encode_words`' pieces of each
-    segment, joined by the tokenizer's own pair template (its specials and token types around 'a', 'b')."""
-    t = tokenizer("a", "b", add_special_tokens=True)
-    t_ids, t_seq = list(t["input_ids"]), list(t.sequence_ids())
-    t_tt = list(t["token_type_ids"]) if "token_type_ids" in t else None
-    ea, eb = encode_words(tokenizer, [a, b])
-    segs = {0: (ea.input_ids[1:-1], ea.word_of_piece[1:-1]), 1: (eb.input_ids[1:-1], eb.word_of_piece[1:-1])}
-    ids, wids, seq, tt, done = [], [], [], [] if t_tt is not None else None, set()
-    for i, s in enumerate(t_seq):
-        if s is None:
-            ids.append(t_ids[i]), wids.append(None), seq.append(None)
-            if tt is not None:
-                tt.append(t_tt[i])
-        elif s not in done:  # the template's pieces of 'a' / 'b' -> the segment's pieces
-            done.add(s)
-            p, w = segs[s]
-            ids += p
-            wids += w
-            seq += [s] * len(p)
-            if tt is not None:
-                tt += [t_tt[i]] * len(p)
-    return ids, wids, seq, tt

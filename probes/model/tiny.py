@@ -26,8 +26,8 @@ Causal LMs (:data:`DECODERS`, saved with their causal-LM head): ``gpt2``, ``llam
 (``gemma3_text``: QK norm, alternating sliding windows), ``phi3`` (fused QKV), ``olmo2`` (QK norm, norms
 on the sub-layer outputs), ``gpt_neox`` (parallel residual); grouped-query attention (2 key/value heads
 for 4 query heads) wherever the family has it, sliding windows of :data:`DECODER_WINDOW` tokens. Their
-tokenizers are byte-level BPE ``PreTrainedTokenizerFast`` with each family's special tokens and BOS
-habit: a BOS added in front (``<s>`` for llama/mistral/phi3, ``<bos>`` for the Gemmas) or nothing
+tokenizers are byte-level BPE ``PreTrainedTokenizerFast`` without a prefix space (as GPT-2's: a text's first
+word reads ``The``, later ones ``Ġcat``) with each family's special tokens and BOS habit: a BOS added in front (``<s>`` for llama/mistral/phi3, ``<bos>`` for the Gemmas) or nothing
 (``<|endoftext|>`` as BOS/EOS of gpt2/gpt_neox/qwen/olmo2, not added), no pad token for gpt2, gpt_neox and
 llama (as the real ones: :func:`probes.model.families.conventions` sets it when loading).
 
@@ -61,7 +61,7 @@ from transformers.utils import logging as hf_logging
 from probes.model.load import load_encoder
 
 FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "deberta-v2", "modernbert")
-FORMAT = 1                     # bump when what build_tiny writes changes (part of tiny_folder's hash)
+FORMAT = 2                     # bump when what build_tiny writes changes (part of tiny_folder's hash)
 VOCAB_SIZE = 2000              # trained tokenizers (BPE / Unigram), special tokens included
 MODERNBERT_LOCAL_ATTENTION = 8  # total sliding window of ModernBERT's local layers (4 tokens each side)
 DEBERTA_POSITION_BUCKETS = 32  # log-bucketed relative positions (deberta-v3 uses 256)
@@ -240,7 +240,7 @@ def _decoder_tokenizer(family: str, corpus: tuple[str, ...], max_positions: int)
     pieces, merges = _train_bpe(corpus, VOCAB_SIZE - len(specials))
     vocab = {p: i for i, p in enumerate([*specials, *pieces])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # as GPT-2's: "The" at the start, " cat"
     tok.decoder = decoders.ByteLevel()
     post = [processors.ByteLevel(trim_offsets=True)]
     if bos_added:
@@ -248,7 +248,7 @@ def _decoder_tokenizer(family: str, corpus: tuple[str, ...], max_positions: int)
                                                   special_tokens=[(bos, vocab[bos])]))
     tok.post_processor = processors.Sequence(post)
     names = dict(bos_token=bos, eos_token=eos, pad_token=pad, unk_token="<unk>" if "<unk>" in vocab else None)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, add_prefix_space=True, model_max_length=max_positions,
+    return PreTrainedTokenizerFast(tokenizer_object=tok, add_prefix_space=False, model_max_length=max_positions,
                                    model_input_names=["input_ids", "attention_mask"],
                                    clean_up_tokenization_spaces=False, **{k: v for k, v in names.items() if v})
 
