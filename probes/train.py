@@ -12,7 +12,14 @@ SLURM (submitit) get the job's config from the launcher and need none of this.
 Resuming (``python train.py resume=<run folder>``, :func:`resume_from_argv`): every run writes
 ``checkpoints/last.ckpt`` at the end of each epoch (:class:`probes.training.callbacks.LastCheckpoint`); a killed
 run continues in its own folder from that file, with the config it was started with (``.hydra/config.yaml``),
-and writes its outputs there (atomically, over those of the killed run).
+and writes its outputs there (atomically, over those of the killed run). A run that had finished (its
+``metrics.json`` written) is left as it was: its record (metrics, predictions, provenance) is not rewritten.
+Checkpoints are loaded weights-only (:mod:`probes.training.checkpoint`): a ``last.ckpt`` holding more than tensors
+and plain values is refused, naming the file, before anything in it could run.
+
+A run's record: every stage's data is read and checked before a logger exists (a format error stops the run
+before a wandb run or a ``provenance.json`` is started), and a run that fails logs its traceback into its log file
+(``<run dir>/train.log``, Hydra's job log; a resumed run's appends to it).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import multiprocessing as mp
 import os
 import resource
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -41,11 +50,13 @@ from probes.io import atomic_write_text
 from probes.memory import peak_rss_mb, reset_peak_rss, set_mmap_threshold
 from probes.report.provenance import write_provenance
 from probes.training.callbacks import LAST, LastCheckpoint
+from probes.training.checkpoint import load_checkpoint, refuse_unsafe
 
 log = logging.getLogger(__name__)
 
 DDP_CONFIG_ENV = "PROBES_DDP_CONFIG"
 PRECISION_FILE = "precision.json"
+METRICS_FILE = "metrics.json"  # written last by a run that finished: its result
 
 
 class NonFiniteMetricsError(FloatingPointError):
@@ -118,7 +129,11 @@ def last_checkpoint(folder: str | os.PathLike) -> Path:
 
 def resume(folder: str | os.PathLike) -> dict[str, float]:
     """Continue the killed training run in ``folder`` from its ``checkpoints/last.ckpt`` with the config it was
-    started with; its outputs (metrics, predictions, provenance) are written into ``folder``."""
+    started with; its outputs (metrics, predictions, provenance) are written into ``folder``. A run that had
+    finished (its ``metrics.json`` written) is left as it was (logged): its metrics are returned.
+
+    ``last.ckpt`` is read weights-only first (:func:`probes.training.checkpoint.load_checkpoint`): a file holding
+    more than tensors and plain values is refused with an error naming it, logged to ``<folder>/train.log``."""
     cfg = resume_config(folder)
     hydra_yaml = Path(cfg.resume) / ".hydra" / "hydra.yaml"
     if hydra_yaml.is_file() and not HydraConfig.initialized():  # the job's Hydra record (choices, overrides)
@@ -133,8 +148,19 @@ def resume(folder: str | os.PathLike) -> dict[str, float]:
     handler = logging.FileHandler(Path(cfg.resume) / "train.log")  # Hydra's job log, appended to
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(handler)
-    log.info("resuming %s from %s", cfg.resume, last_checkpoint(cfg.resume))
     try:
+        with _failure_logged():
+            ckpt = last_checkpoint(cfg.resume)
+            state = load_checkpoint(ckpt, map_location="cpu", mmap=True)  # refused unless weights-only
+        epoch = state.get("epoch") if isinstance(state, dict) else None
+        del state  # its tensors map the file
+        done = f"epoch {epoch + 1 if isinstance(epoch, int) else '?'} of {cfg.trainer.get('max_epochs')}"
+        metrics = Path(cfg.resume) / METRICS_FILE
+        if metrics.is_file():
+            log.info("run %s had finished (%s; %s written); its record is left as it was", cfg.resume, done,
+                     METRICS_FILE)
+            return json.loads(metrics.read_text())
+        log.info("resuming %s from %s (%s)", cfg.resume, ckpt, done)
         return train(cfg)
     finally:
         logging.getLogger().removeHandler(handler)
@@ -162,11 +188,28 @@ def _standard_process_start() -> None:
         mp.set_start_method(None, force=True)
 
 
+@contextmanager
+def _failure_logged() -> Iterator[None]:
+    """An exception raised within is logged with its traceback (into the run's log file) and raised on."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt) as e:
+        log.exception("the run failed: %s", type(e).__name__)
+        raise
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Build caches (stage 1), train the probe on them, test the best checkpoint; returns flat metrics.
 
     A probe without trainable parameters (``probe=right_branching``) is scored without fitting, as with
-    ``fit=false`` (logged): its validation and test scores, no checkpoint."""
+    ``fit=false`` (logged): its validation and test scores, no checkpoint. Every stage's data is read (the
+    datamodule's ``setup``) before the loggers are made, so a format error in it stops the run before a wandb run
+    or a provenance file is started; a failure is logged with its traceback (the run folder's log file)."""
+    with _failure_logged():
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, float]:
     _standard_process_start()
     check_types(cfg)  # wrong types in overrides: an error naming the key, before any work
     reset_peak_rss()
@@ -176,6 +219,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule.prepare_data()  # stage 1 outside the training Trainer: extract any split not cached yet
     model = instantiate(cfg.probe)
     model.build(datamodule)  # parts sized by the data, so that `trainable` sees every parameter
+    # every stage's data read and checked now, not in Lightning's `setup` (which then finds it read): a format error
+    # stops the run before a logger starts a wandb run or writes provenance.json
+    for stage in ("fit" if cfg.fit and model.trainable() else "validate", *(["test"] if cfg.test else [])):
+        datamodule.setup(stage)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
@@ -206,16 +253,17 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
             raise ValueError(f"resume={resume_from}: the run's callbacks have no last_checkpoint "
                              "(probes.training.callbacks.LastCheckpoint), so it cannot go on saving its state")
         ckpt_path = str(last_checkpoint(resume_from)) if resume_from else None
-        # our own checkpoint (written by this run): the full state, not only tensors
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
+        with refuse_unsafe(ckpt_path):  # the full state, weights-only (tensors and plain values)
+            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None
         metrics = _floats(trainer.callback_metrics)
     else:
         ckpt = None
         metrics = _floats(trainer.validate(model, datamodule=datamodule)[0])
     if cfg.test:
-        metrics.update(_floats(trainer.test(model, datamodule=datamodule, ckpt_path=ckpt or None,
-                                            weights_only=False if ckpt else None)[0]))  # the run's own checkpoint
+        with refuse_unsafe(ckpt):  # a resumed run's best checkpoint is named by its last.ckpt
+            metrics.update(_floats(trainer.test(model, datamodule=datamodule, ckpt_path=ckpt or None,
+                                                weights_only=True)[0]))
     if ckpt:
         metrics["best_checkpoint"] = ckpt
     metrics.update(getattr(datamodule, "summary", dict)())
@@ -231,7 +279,7 @@ def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, logge
     if not trainer.is_global_zero:  # DDP: rank 0 writes the run's files (the metrics are synced)
         return metrics
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
+    atomic_write_text(out / METRICS_FILE, json.dumps(metrics, indent=1, sort_keys=True))
     # commit, machine, command, environment and what the run read: every run, with or without a logger
     inputs = dict(data_dir=str(cfg.paths.data_dir), cache_dir=str(cfg.paths.cache_dir))
     if hasattr(datamodule, "provenance"):

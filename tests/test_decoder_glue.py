@@ -28,6 +28,7 @@ from probes.model.inputs import (encode_text_batch, encode_texts, encode_word_pa
 from probes.model.load import load_encoder, tiny_bert
 from probes.train import train
 from tests.conftest import TINY_CONLLU, compose_train
+from tests.reference import text_pieces
 
 # family -> whether its tokenizer puts a BOS in front (llama: yes; gpt2, qwen2: no)
 BOS = {"llama": True, "gpt2": False, "qwen2": False}
@@ -44,22 +45,22 @@ def models(tmp_path_factory):
     return {f: tiny.tiny_folder(f, root=root) for f in BOS}
 
 
-def _word_pieces(tok, word: str) -> list[int]:
-    """A word's pieces as a pre-split word alone (byte-level BPE: with its prefix space, "Ġword")."""
-    return tok([word], is_split_into_words=True, add_special_tokens=False)["input_ids"]
+def _segment_pieces(tok, words: list[str]) -> tuple[list[int], list[int]]:
+    """(ids, word of every piece) of one segment as running text on its own, its specials dropped: the
+    tokenizer's pieces of the joined words, each piece's word from its characters (:func:`tests.reference.
+    text_pieces`)."""
+    ids, wids = text_pieces(tok, words)
+    kept = [(i, w) for i, w in zip(ids, wids) if w is not None]
+    return [i for i, _ in kept], [w for _, w in kept]
 
 
 def _slow_pair(tok, a, b, bos: bool):
-    """``[BOS] A <eos> B`` built word by word, with the word of every piece (module doc of inputs.py)."""
+    """``[BOS] A <eos> B`` with the word of every piece (module doc of inputs.py), each segment the pieces of its
+    own running text."""
     n = len(a) + len(b)
+    (ia, wa), (ib, wb) = _segment_pieces(tok, a), _segment_pieces(tok, b)
     ids, wop = ([tok.bos_token_id], [-1]) if bos else ([], [])
-    for w, word in enumerate(a):
-        p = _word_pieces(tok, word)
-        ids, wop = ids + p, wop + [w] * len(p)
-    ids, wop = ids + [tok.eos_token_id], wop + [n]
-    for w, word in enumerate(b):
-        p = _word_pieces(tok, word)
-        ids, wop = ids + p, wop + [len(a) + w] * len(p)
+    ids, wop = ids + ia + [tok.eos_token_id] + ib, wop + wa + [n] + [len(a) + w for w in wb]
     return ids, wop
 
 
@@ -158,8 +159,8 @@ def test_glue_fine_tunes_a_decoder(models, tmp_path, family, task):
     assert any((b["attention_mask"] == 0).any() for b in batches), "some rows are padded"
     ref = AutoModelForSequenceClassification.from_pretrained(str(out / "hf_model"), attn_implementation="eager").eval()
     module = SequenceClassifier(load_encoder(str(models[family])), **torch.load(
-        metrics["best_checkpoint"], map_location="cpu", weights_only=False)["hyper_parameters"])
-    module.load_state_dict(torch.load(metrics["best_checkpoint"], map_location="cpu", weights_only=False)["state_dict"])
+        metrics["best_checkpoint"], map_location="cpu", weights_only=True)["hyper_parameters"])
+    module.load_state_dict(torch.load(metrics["best_checkpoint"], map_location="cpu", weights_only=True)["state_dict"])
     module.eval()
     assert module.pooling == "last"
     by_idx = {f["idx"]: f for f in feats}

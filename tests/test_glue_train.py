@@ -110,7 +110,7 @@ def test_frozen_baseline_trains_only_the_head(glue_data, tmp_path):
                         ["experiment=glue_mrpc_frozen", "trainer.max_epochs=1"])
     assert cfg.probe.freeze_encoder and cfg.task_name == "glue_mrpc_frozen"
     m = train(cfg)
-    state = torch.load(m["best_checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(m["best_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
     for k, v in before.encoder.state_dict().items():
         assert torch.equal(state[f"encoder.{k}"], v), k
     assert not torch.equal(state["head.weight"], before.head.weight)
@@ -132,7 +132,7 @@ def test_other_families_fine_tune(glue_data, tmp_path, family):
     m = train(compose_train(over))
     assert 0.0 <= m["val/f1_best"] <= 1.0 and 0.0 <= m["test/acc"] <= 1.0
     assert (tmp_path / "out" / "hf_model" / "head.pt").is_file()
-    state = torch.load(m["best_checkpoint"], map_location="cpu", weights_only=False)
+    state = torch.load(m["best_checkpoint"], map_location="cpu", weights_only=True)
     assert state["hyper_parameters"]["pooling"] == ("cls" if family == "distilbert" else "pooler")
 
 

@@ -109,7 +109,7 @@ def test_every_family_has_a_layer_for_every_parameter(family, tmp_path):
 
 def _weights(run):
     ckpt = next((run / "checkpoints").glob("*.ckpt"))
-    return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
 
 
 def test_grad_norms_by_layer_and_csv(mrpc_dir, tmp_path):

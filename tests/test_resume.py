@@ -5,30 +5,18 @@ without a run, a config or a checkpoint."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from probes.train import last_checkpoint, resume_config
-from tests.conftest import ROOT, chain_overrides, write_chain_splits
-from tests.resume_helpers import KILL_ENV
+from tests.conftest import chain_overrides, write_chain_splits
+from tests.resume_helpers import run_train as _train
 from tests.test_glue_train import glue_data  # noqa: F401  (fixture: a synthetic glue/ folder)
 from tests.test_patterns import write_pattern_folder
 
 KILL = "+callbacks.zz_kill={_target_: tests.resume_helpers.KillAfterEpoch}"  # listed last: runs after last.ckpt
-
-
-def _train(args: list[str], kill_after: int | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
-    env.pop(KILL_ENV, None)
-    if kill_after is not None:
-        env[KILL_ENV] = str(kill_after)
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
 
 
 def _run_args(chain_data: Path, tmp_path: Path, folder: Path, extra: list[str]) -> list[str]:
@@ -42,13 +30,13 @@ def test_a_killed_run_resumed_ends_as_the_run_left_alone(extra, chain_data, tmp_
     r = _train(_run_args(chain_data, tmp_path, killed, extra), kill_after=0)  # SIGKILL after epoch 0
     assert r.returncode == -9, r.stderr[-3000:]
     assert (killed / "checkpoints" / "last.ckpt").is_file() and not (killed / "metrics.json").exists()
-    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 0
+    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
     r = _train([f"resume={killed}"])
     assert r.returncode == 0, r.stderr[-3000:]
     r = _train(_run_args(chain_data, tmp_path, alone, extra))
     assert r.returncode == 0, r.stderr[-3000:]
     resumed, left = (json.loads((d / "metrics.json").read_text()) for d in (killed, alone))
-    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 2  # went on to the end
+    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 2  # went on to the end
     for k in ("val/uas_best", "test/uas", "test/uas_nopunct"):
         assert abs(resumed[k] - left[k]) <= 0.005, (k, resumed[k], left[k])  # within 0.5 UAS
     # the same batches, generator states and best-so-far: the same numbers
@@ -113,12 +101,12 @@ def test_the_other_trainable_packages_resume(name, glue_data, tmp_path):  # noqa
     killed, alone = tmp_path / "killed", tmp_path / "alone"
     r = _train([*args, f"hydra.run.dir={killed}", KILL], kill_after=0)
     assert r.returncode == -9, r.stderr[-3000:]
-    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 0
+    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
     r = _train([f"resume={killed}"])
     assert r.returncode == 0, r.stderr[-3000:]
     r = _train([*args, f"hydra.run.dir={alone}", KILL])
     assert r.returncode == 0, r.stderr[-3000:]
-    steps = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] for d in (killed, alone)]
+    steps = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] for d in (killed, alone)]
     assert steps[0] == steps[1] > 0
     resumed, left = (json.loads((d / "metrics.json").read_text()) for d in (killed, alone))
     numbers = [k for k in left if "/" in k and not k.startswith(("sys/", "data/"))]

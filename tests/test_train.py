@@ -35,7 +35,7 @@ def test_train_writes_metrics_and_predictions(probe, chain_data, tmp_path):
         assert entry["key"]["precision"] and entry["key"]["encoder"]
     for k in ("val/uas", "val/uas_best", "test/uas", "test/uas_nopunct", "train/loss"):
         assert 0.0 <= saved[k] <= (1.0 if "uas" in k else 100.0), k
-    hp = torch.load(saved["best_checkpoint"], map_location="cpu", weights_only=False)["hyper_parameters"]
+    hp = torch.load(saved["best_checkpoint"], map_location="cpu", weights_only=True)["hyper_parameters"]
     assert hp["monitor"] == "val/uas" and hp["mode"] == "max" and "scorer" not in hp  # save_hyperparameters
     pred = read_conllu(tmp_path / "out" / "predictions" / "test.conllu", trees=False)  # argmax heads
     gold = read_conllu(chain_data / "chain" / "chain-test.conllu")

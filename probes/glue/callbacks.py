@@ -12,6 +12,7 @@ import torch
 
 from probes.glue.export import export_hf
 from probes.io import atomic_write
+from probes.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class HFExport(pl.Callback):
         state = None
         ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         if self.use_best and ckpt:
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+            state = load_checkpoint(ckpt, map_location="cpu", mmap=False)["state_dict"]
             log.info("exporting the best checkpoint %s", ckpt)
         export_hf(pl_module, self.dirpath, state_dict=state)
 

@@ -10,7 +10,8 @@ read back as an :class:`EncoderWithHead` with the same logits as the trained mod
 
 Read by :func:`load_finetuned`: a GLUE run folder, its ``hf_model`` folder, or a Lightning ``.ckpt``
 (rebuilt on the pre-trained encoder's architecture), as a :class:`FineTuned` model on the project's
-attention path, frozen, in eval mode.
+attention path, frozen, in eval mode. A ``.ckpt`` and ``head.pt`` are loaded weights-only: a file holding more
+than tensors and plain values is refused (:class:`probes.training.checkpoint.UnsafeCheckpointError`, naming it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from probes.data.glue import task_spec
 from probes.glue.module import SequenceClassifier, pool
 from probes.model import hooks
+from probes.model.families import is_causal
 from probes.model.load import WEIGHTS_DTYPE, Encoder, freeze, load_tokenizer
+from probes.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ def load_finetuned(checkpoint: str | Path, encoder: Encoder | None = None, task:
     elif p.is_file() and p.suffix == ".ckpt":
         if encoder is None:
             raise ValueError(f"{p}: a Lightning checkpoint needs the encoder it was trained from")
-        ckpt = torch.load(p, map_location="cpu", weights_only=False)
+        ckpt = load_checkpoint(p, map_location="cpu", mmap=False)
         hp = dict(ckpt.get("hyper_parameters") or {})
         saved_task = hp.get("task")
         module = SequenceClassifier(encoder, **hp)
@@ -201,11 +204,11 @@ def _load_classifier(folder: Path):
         model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION,
                                                                    dtype=WEIGHTS_DTYPE)
     elif (folder / "head.pt").exists():
-        state = torch.load(folder / "head.pt", map_location="cpu")
+        state = load_checkpoint(folder / "head.pt", map_location="cpu", mmap=False)
         head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
         head.load_state_dict(state)
         encoder = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
         model = EncoderWithHead(encoder, head, export_info(folder).get("pooling", "cls"))
     else:
         model = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
-    return model, load_tokenizer(str(folder))
+    return model, load_tokenizer(str(folder), causal=is_causal(cfg))

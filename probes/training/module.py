@@ -26,6 +26,9 @@ One convention for all of them:
   the counts in the batch as ``nonfinite`` (B,), and the check reads them instead of the batch's tensors.
 - **Resume**: a checkpoint also holds the tracked best and the random generators' states
   (:meth:`ProbeModule.on_save_checkpoint`), restored when ``python train.py resume=<run folder>`` loads it.
+- **Checkpoints load weights-only**: what a checkpoint holds is tensors and plain values (hyperparameters through
+  :func:`plain`, numpy's generator state as a tensor), so every reader loads it with ``weights_only=True``
+  (:mod:`probes.training.checkpoint`).
 - **Models without parameters**: :meth:`ProbeModule.build` creates whatever needs sizes from the data, so
   :meth:`ProbeModule.trainable` can tell before fitting whether there is anything to train (``probes.train``
   scores a parameter-free probe without fitting).
@@ -33,6 +36,7 @@ One convention for all of them:
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -40,6 +44,7 @@ from typing import Any, Callable
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchmetrics import MaxMetric, Metric, MetricCollection, MinMetric
 
 SPLITS = ("train", "val", "test")
@@ -87,6 +92,8 @@ class ProbeModule(pl.LightningModule):
         super().__init__()
         # collects the arguments of every __init__ up the subclass chain (Lightning reads their frames)
         self.save_hyperparameters(ignore=["optimizer", "scheduler", "metrics", *self.not_hyperparameters])
+        for k, v in self.hparams.items():  # what the checkpoint keeps: loadable weights-only
+            self.hparams[k] = plain(v)
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         if sorted(metrics) != sorted(SPLITS):
             raise ValueError(f"{type(self).__name__}: metrics must have the splits {list(SPLITS)}, got {sorted(metrics)}")
@@ -264,6 +271,24 @@ class ProbeModule(pl.LightningModule):
         scheduler = self.scheduler_factory(optimizer=optimizer, **self.scheduler_arguments())
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval,
                                                          "monitor": self.scheduler_monitor}}
+
+
+def plain(value: Any) -> Any:
+    """``value`` as types a weights-only checkpoint load reads (recursively): omegaconf containers as dicts and
+    lists, paths as strings, numpy scalars as Python numbers; anything else as it is."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple):  # a named tuple too: its class would not load
+        return tuple(plain(v) for v in value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def _numpy_state() -> tuple:
