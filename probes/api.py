@@ -160,7 +160,12 @@ def _words(sentence, i: int) -> list[str]:
         words = list(sentence.words)
     elif isinstance(sentence, str):
         words = sentence.split()
-    elif isinstance(sentence, Sequence) and all(isinstance(w, str) for w in sentence):
+    elif isinstance(sentence, Sequence) and not isinstance(sentence, (bytes, bytearray)):
+        bad = next(((k, w) for k, w in enumerate(sentence) if not isinstance(w, str)), None)
+        if bad is not None:
+            k, w = bad
+            raise TypeError(f"sentence {i}, word {k}: expected a string, got {w!r} ({type(w).__name__}); a sentence "
+                            "is a string or a list of word strings")
         words = list(sentence)
     else:
         raise TypeError(f"sentence {i}: expected a string or a list of words, got {type(sentence).__name__}")

@@ -21,8 +21,10 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
+from lightning_fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 
 from probes.extract import stage
 from probes.io import atomic_write_text
@@ -35,7 +37,20 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 STORE = "precision.json"
+# What extract.precision accepts: auto, or a precision the Lightning Trainer takes as a string (Lightning's own lists,
+# which its Trainer checks against; ``32`` etc. are its aliases of ``32-true`` etc.)
+PRECISIONS = ("auto", *get_args(_PRECISION_INPUT_STR), *get_args(_PRECISION_INPUT_STR_ALIAS))
+Precision = Literal[PRECISIONS]  # the type of ExtractSettings.precision (probes.config.check_types reads it)
 _SAID: set[str] = set()  # devices whose single-candidate decision was logged
+
+
+def check_precision(precision) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else a ValueError naming ``extract.precision`` and the
+    allowed values (before any model is loaded: Lightning would say it only when the extraction Trainer starts)."""
+    if isinstance(precision, str) and precision in PRECISIONS:
+        return precision
+    raise ValueError(f"extract.precision={precision!r} is not a precision: expected one of {', '.join(PRECISIONS)} "
+                     "(auto: measured once per machine and model shape; conf/extract/default.yaml)")
 
 
 def device_of(accelerator: str | None) -> str:
@@ -243,7 +258,7 @@ def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, s
     needs to be chosen (``extract.precision_margin``; required for ``auto``). Without an encoder, ``auto`` is
     the first candidate (``32-true`` on a CPU, ``16-mixed`` on a GPU), unmeasured.
     """
-    if precision != "auto":
+    if check_precision(precision) != "auto":
         return str(precision)
     if margin is None:
         raise ValueError("extract.precision=auto needs extract.precision_margin (the speed-up over 32-true that "

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from probes.config import check_types
 from probes.data.conllu import Sentence
 from probes.data.sources import Treebank
 from probes.extract import runner
@@ -67,6 +68,7 @@ def ensure_caches(encoder: DictConfig | Mapping | Encoder, treebank: Treebank, s
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Build the caches of `cfg.splits` for `cfg.encoder` on `cfg.data` (stage 1 of training)."""
+    check_types(cfg)  # wrong overrides (extract.precision=bogus, ...): an error naming the key, before any work
     encoder = instantiate(cfg.encoder)
     treebank = instantiate(cfg.data.treebank)
     settings = ExtractSettings.from_config(cfg.extract)

@@ -12,7 +12,9 @@ Every entry is keyed by :func:`probes.extract.cache.cache_key` and extracted wit
 given the encoder's config, builds the missing ones in a child interpreter (``python -m
 probes.extract.runner``: it loads the weights, resolves ``precision=auto``, writes the entries and exits), so
 the calling process (a training job) never holds the encoder's weights or the extraction's buffers. Kinds and
-sources are plain picklable objects: the child receives them as they are, nothing is chosen by name.
+sources are plain picklable objects: the child receives them as they are, nothing is chosen by name. The child
+logs to stderr and appends to the parent's log files (Hydra's run log), so its lines, the extraction's progress
+(:mod:`probes.progress`) among them, are in the run's log.
 
 The child dies with its parent: on Linux the kernel sends it SIGTERM when the parent dies (``prctl``
 ``PR_SET_PDEATHSIG``), elsewhere a watchdog thread polls the parent's pid; either way it removes the request's
@@ -263,13 +265,35 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job log format
+
+
+def log_files() -> list[str]:
+    """The files this process's root logger writes to (Hydra's ``<run dir>/<job>.log``): the child appends its
+    lines there too (its progress included, :mod:`probes.progress`)."""
+    return [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+
+
+def _log_to(files: Sequence[str], level: int) -> None:
+    """Log to stderr and append to each of ``files`` (the parent's run log), in the parent's format."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    for f in files:
+        try:
+            handler = logging.FileHandler(f, mode="a")
+        except OSError as e:  # the parent's log folder gone: stderr only
+            logging.getLogger(__name__).warning("cannot append to the run's log %s (%s)", f, e)
+            continue
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logging.getLogger().addHandler(handler)
+
+
 def _spawn(encoder_cfg: DictConfig | Mapping, kind: CacheKind, sources: list, settings: ExtractSettings,
            cache_dir: str | Path) -> list[Path]:
     """Run :func:`_child` in a fresh interpreter (``python -m probes.extract.runner``: nothing of this
     process, not even its ``__main__``, is re-imported); the entries' paths, or its error raised here. The
     request folder is removed and the child stopped on every way out of here (see the module doc)."""
     req = dict(encoder_cfg=_plain(encoder_cfg), kind=kind, sources=list(sources), settings=settings,
-               cache_dir=str(cache_dir), log_level=logging.getLogger().getEffectiveLevel())
+               cache_dir=str(cache_dir), log_level=logging.getLogger().getEffectiveLevel(), log_files=log_files())
     root = str(Path(__file__).resolve().parents[2])  # the folder holding the `probes` package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     splits = [s.split for s in sources if isinstance(s, TreebankSplit)]  # the entries' rebuild command (manifest)
@@ -363,12 +387,13 @@ def die_with_parent(parent: int, on_death: Callable[[], None], poll_s: float = 1
 
 def _child(payload: str, result: str, parent: int | None = None) -> None:
     """Child process (``python -m probes.extract.runner PAYLOAD RESULT [PARENT_PID]``): build the entries of the
-    pickled request; write ``{"paths": [...]}`` (or ``{"error", "traceback"}``) to ``result``. It dies with
-    ``parent``, removing the request folder (the payload's folder) when the parent is gone."""
+    pickled request; write ``{"paths": [...]}`` (or ``{"error", "traceback"}``) to ``result``. It logs to stderr and
+    appends to the parent's log files (the run's log: its progress lines land there). It dies with ``parent``,
+    removing the request folder (the payload's folder) when the parent is gone."""
     if parent is not None:
         die_with_parent(parent, lambda: shutil.rmtree(Path(payload).parent, ignore_errors=True))
     req = pickle.loads(Path(payload).read_bytes())
-    logging.basicConfig(level=req["log_level"], format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    _log_to(req.get("log_files", []), req["log_level"])
     try:
         encoder = instantiate(req["encoder_cfg"])
         paths = [str(build(encoder, req["kind"], s, req["settings"], req["cache_dir"]).path) for s in req["sources"]]

@@ -34,7 +34,7 @@ class ExtractSettings:
     max_length: int | None  # wordpieces incl. specials; None: the encoder's usable length
     long_sentences: str  # skip | error
     layers: list[int] | None  # 0-based layers to extract (None: all); part of the key when set
-    precision: str  # a Lightning precision, or auto (measured, :mod:`probes.extract.precision`)
+    precision: P.Precision  # a Lightning precision, or auto (measured, :mod:`probes.extract.precision`)
     precision_margin: float  # auto: the speed-up over 32-true another precision needs to be chosen
     maps: str  # the map kind, one of ``measures``
     measures: Mapping[str, Mapping[str, Any]]  # {kind: {_target_: ..., options}}
@@ -47,7 +47,8 @@ class ExtractSettings:
     @classmethod
     def from_config(cls, node: ExtractSettings | DictConfig | Mapping) -> ExtractSettings:
         """From the ``extract`` node (a DictConfig, resolved) or a plain mapping with the same keys; an
-        :class:`ExtractSettings` is returned as is. Every key of ``conf/extract/default.yaml`` is required."""
+        :class:`ExtractSettings` is returned as is. Every key of ``conf/extract/default.yaml`` is required; an
+        unknown ``precision`` is an error naming ``extract.precision`` and the allowed values."""
         if isinstance(node, ExtractSettings):
             return node
         if not isinstance(node, DictConfig):
@@ -58,6 +59,7 @@ class ExtractSettings:
         if missing or unknown:
             raise ValueError(f"extract settings: missing keys {missing}, unknown keys {unknown} "
                              f"(conf/extract/default.yaml lists every key: {', '.join(names)})")
+        P.check_precision(plain["precision"])  # before any model is loaded or child process started
         return cls(**{n: plain[n] for n in names})
 
     def replace(self, **changes) -> ExtractSettings:

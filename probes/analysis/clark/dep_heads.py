@@ -129,10 +129,34 @@ def evaluate(cache, sentences, num_layers: int, num_heads: int, offsets=(-3, -2,
     return acc
 
 
+def require_trees(ctx, split: str, max_sentences: int | None, exclude=("root", "punct"),
+                  strip_subtypes: bool = False) -> None:
+    """An error, before anything is extracted, when the sentences have no word to score: no gold head other than
+    the root outside ``exclude`` (plain sentences, as ``probes.analyze(..., sentences=[...])`` writes them, have
+    every HEAD 0 and no relation)."""
+    excluded = set(exclude)
+    for s in ctx.sentences(split, max_sentences):
+        for h, r in zip(s.heads, s.deprels):
+            if h != 0 and (r.split(":")[0] if strip_subtypes else r) not in excluded:
+                return
+    try:
+        where = f" ({ctx.treebank.path(split)})"
+    except Exception:  # a treebank without files of its own
+        where = ""
+    raise ValueError(
+        f"dep_heads needs dependency trees: no word of split {split!r}{where} has a gold head other than the root "
+        f"outside the relations {sorted(excluded)}. Plain sentences (probes.analyze(..., sentences=[...])) carry no "
+        "trees (every HEAD 0); give a CoNLL-U treebank instead: probes.analyze('dep_heads', "
+        "treebank=probes.treebank(dev='trees.conllu')) or data=conllu on the command line")
+
+
 def tables(acc: DepAccumulator, min_count: int = 100, layers=None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(dep_heads, dep_offsets, dep_table) data frames; relations with >= min_count examples + all.
     ``layers``: the model's layer of each of the accumulator's (a cache's ``layers``; None: 0..L-1)."""
     layer_of = model_layers(layers, acc.L)
+    if not acc.count.get("all"):
+        raise ValueError(f"dep_heads: no word was scored in the {acc.n_sentences} cached sentences (every gold head "
+                         "is the root, or every relation excluded): nothing to tabulate")
     rels = ["all"] + sorted(r for r, c in acc.count.items() if r != "all" and c >= min_count)
     rows, orows, trows = [], [], []
     for r in rels:
@@ -180,6 +204,7 @@ def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_
               strip_subtypes: bool = False, report_relations=()) -> pd.DataFrame:
     """Evaluate every head on every relation; save the tables and the figure; return dep_table."""
     t0 = time.time()
+    require_trees(ctx, split, max_sentences, exclude, strip_subtypes)  # before any extraction
     cache, sentences = ctx.cache(split, max_sentences)
     causal = is_causal(ctx.encoder)
     acc = evaluate(cache, sentences, cache.num_layers, cache.num_heads, list(offsets), list(exclude),

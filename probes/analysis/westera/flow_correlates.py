@@ -58,6 +58,7 @@ from probes.analysis.westera import original as W
 from probes.analysis.westera.flow import select_sentences, sentence_flow
 from probes.data.coref import read_gum_coref
 from probes.model.inputs import pooling_matrix
+from probes.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,9 @@ def flow_correlates(ctx, *, split: str = "dev", max_sentences: int | None = None
     if level not in ("piece", "word"):
         raise ValueError(f"analysis.level must be piece or word, got {level!r}")
     parts, orig = [], _Original(level, open_tags, closed_tags, pos_groups, noun_xpos, pron_xpos) if original else None
-    for k, e, fl in sentence_flow(ctx.encoder, [s.words for s in chosen], ctx.device, max_length, chain,
-                                  chunk_size, level, desc="flow_correlates"):
+    flows = sentence_flow(ctx.encoder, [s.words for s in chosen], ctx.device, max_length, chain, chunk_size, level,
+                          desc="flow_correlates")  # a tqdm bar on a terminal; progress lines in the log elsewhere
+    for k, e, fl in progress(flows, "flow_correlates", total=len(chosen), unit="sentences"):
         s = chosen[k]
         if s.n < 2:
             continue
