@@ -38,7 +38,7 @@ from probes.data.sources import Treebank
 from probes.extract.stage import AttentionExtractor, make_batch, split_by_pairs
 from probes.measures import build
 from probes.glue.export import hf_folder, load_finetuned
-from probes.model.inputs import encode_words, length_batches
+from probes.model.inputs import check_words, encode_words, length_batches
 from probes.model.load import HEADS, Encoder, file_digest
 from probes.model.load import load_encoder as load_pretrained
 from probes.resolvers import unique_now
@@ -161,20 +161,12 @@ def _words(sentence, i: int) -> list[str]:
     elif isinstance(sentence, str):
         words = sentence.split()
     elif isinstance(sentence, Sequence) and not isinstance(sentence, (bytes, bytearray)):
-        bad = next(((k, w) for k, w in enumerate(sentence) if not isinstance(w, str)), None)
-        if bad is not None:
-            k, w = bad
-            raise TypeError(f"sentence {i}, word {k}: expected a string, got {w!r} ({type(w).__name__}); a sentence "
-                            "is a string or a list of word strings")
         words = list(sentence)
     else:
         raise TypeError(f"sentence {i}: expected a string or a list of words, got {type(sentence).__name__}")
     if not words:
         raise ValueError(f"sentence {i} is empty: every sentence needs at least one word")
-    empty = [k for k, w in enumerate(words) if not w.strip()]
-    if empty:
-        raise ValueError(f"sentence {i}: word {empty[0]} is empty or blank")
-    return words
+    return check_words([words], first=i)[0]  # every word a string, none blank: the error names the word
 
 
 def _sentence_list(sentences) -> list:

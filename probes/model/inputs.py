@@ -62,17 +62,17 @@ class TokenizationError(ValueError):
     """The pieces of a sentence do not read back as its text: the tokenizer glues or splits its words."""
 
 
-def check_words(sentences: Sequence[Sequence[str]], what: str = "sentence") -> list[list[str]]:
+def check_words(sentences: Sequence[Sequence[str]], what: str = "sentence", first: int = 0) -> list[list[str]]:
     """``sentences`` as lists of non-empty strings without whitespace at either end; a clear error naming the
-    sentence, the word and its type otherwise (a bare string is not a list of words)."""
+    sentence (numbered from ``first``), the word and its type otherwise (a bare string is not a list of words)."""
     out = []
-    for i, words in enumerate(sentences):
+    for i, words in enumerate(sentences, start=first):
         if isinstance(words, str) or not isinstance(words, Sequence):
             raise TypeError(f"{what} {i}: expected a list of words, got {type(words).__name__} {words!r:.60}")
         for j, w in enumerate(words):
             if not isinstance(w, str):
-                raise TypeError(f"{what} {i}, word {j}: expected a string, got {type(w).__name__} {w!r:.60} "
-                                f"(in {list(words)!r:.120})")
+                raise TypeError(f"{what} {i}, word {j}: expected a string, got {w!r:.60} ({type(w).__name__}) "
+                                f"in {list(words)!r:.120}")
             if not w.strip() or w != w.strip():
                 raise ValueError(f"{what} {i}, word {j}: {w!r} is empty or starts/ends with whitespace; words are "
                                  f"joined by single spaces (in {list(words)!r:.120})")
@@ -211,13 +211,13 @@ def check_pieces(tokenizer, ids: Sequence[int], text: str, spaced: bool | None =
     spaced = spaces_in_pieces(tokenizer) if spaced is None else spaced
     unk = tokenizer.unk_token if tokenizer.unk_token_id is not None else None
     ids = list(ids)
-    if _reads_as(tokenizer.decode(ids, clean_up_tokenization_spaces=False), text, unk, spaced):
+    read = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    if _reads_as(read, text, unk, spaced):
         return
     bad = next((t for t in range(1, len(ids) + 1)
                 if not _reads_as(tokenizer.decode(ids[:t], clean_up_tokenization_spaces=False), text, unk, spaced,
                                  prefix=True)), len(ids))
     piece = tokenizer.convert_ids_to_tokens(ids[bad - 1]) if ids else None
-    read = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
     raise TokenizationError(
         f"{_name(tokenizer)} does not read sentence {sentence} as its text: {text!r:.200} reads back as "
         f"{read!r:.200}; first differing piece: #{bad - 1} {piece!r}. The tokenizer glues or splits words, so the "
@@ -414,10 +414,8 @@ def encode_word_pairs(tokenizer, pairs: Sequence[tuple[Sequence[str], Sequence[s
             check_pieces(tokenizer, seg_ids, text, spaced, sentence=f"{k} (segment {s_id})")
             for i, w in zip(pos, seg_wop):
                 wop[i] = w + shift
-        first = next(i for i, s in enumerate(seq) if s is not None)
-        wop[:first] = [-1] * first if first else []
-        if first > 1:  # every special before A but the first goes with the last special row
-            wop[1:first] = [n] * (first - 1)
+        if seq[0] is None:  # the first special token; every other special goes with the last special row
+            wop[0] = -1
         encoded.append(Encoded(ids, wop, n, tt))
     return encoded
 
