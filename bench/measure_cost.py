@@ -5,7 +5,7 @@
 
 The sentences: the first ``--sentences`` of the split (file order) with at most ``--max-pieces`` wordpieces
 (flow's bound, so every kind runs on the same sentences). Each kind (``conf/extract/default.yaml``,
-``measures``) runs the extractor's own step (``AttentionExtractor.word_maps``: the measure on padded
+``measures``) runs the extractor's own step (``probes.maps.MapEngine.word_maps``: the measure on padded
 length batches, then word pooling to float16) over all of them, in fp32 under inference mode, after an
 untimed warm-up on one sentence; the best of ``--repeats`` passes is kept. Timed: forwards, the measure, pooling.
 Not timed: tokenization, batching, model loading. Two clocks: wall time and the process's CPU time
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from probes.extract.stage import AttentionExtractor, encode_all, make_batch, split_by_pairs
+    from probes.maps import MapEngine, encode_all, make_batch, pad_id_of, split_by_pairs
     from probes.measures import build
     from probes.model.inputs import length_batches
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [e.n_pieces for e in items]
     groups = split_by_pairs(length_batches(lengths, xcfg["max_tokens"], xcfg["max_batch_size"]), lengths,
                             xcfg["max_pairs"])
-    pad = enc.tokenizer.pad_token_id if enc.tokenizer.pad_token_id is not None else 0
+    pad = pad_id_of(enc.tokenizer)
     batches = [{k: v.to(device) for k, v in make_batch([items[i] for i in g], g, xcfg["from_words"],
                                                        xcfg["to_words"], pad).items()} for g in groups]
     warm = {k: v.to(device) for k, v in make_batch(items[:1], [0], xcfg["from_words"], xcfg["to_words"], pad).items()}
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     for kind in kinds:
         measure = build(kind, xcfg["measures"])
-        ex = AttentionExtractor(model, None if kind == "attention" else measure)
+        ex = MapEngine(model, measure)
         sec, cpu = time_kind(ex, batches, warm, args.repeats)
         results[kind] = dict(seconds=sec, cpu_seconds=cpu, sentences_per_s=len(items) / sec, load=load_average())
         print(f"{kind:>18}: {sec:8.2f} s wall  {cpu:8.2f} s CPU  {len(items) / sec:8.2f} sent/s  "

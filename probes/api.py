@@ -9,8 +9,8 @@ maps[0].maps.shape, maps[0].labels                            # (6, 12, 9, 9), [
 
 Everything here composes the same ``conf/`` files as the command line (:func:`probes.config.compose`), so
 pooling, map kinds and analysis defaults are those of ``conf/extract/default.yaml`` and
-``conf/analysis/<name>.yaml``; the word maps come from the extraction stage's own code
-(:class:`probes.extract.stage.AttentionExtractor`), so they equal the attention cache's maps (kept there
+``conf/analysis/<name>.yaml``; the word maps come from the map engine the extraction stage runs
+(:class:`probes.maps.MapEngine`), so they equal the attention cache's maps (kept there
 in float16, here in float32), and :func:`analyze` runs an analysis through
 :func:`probes.analysis.context.run_analysis`, the function behind ``python -m probes.analyze``.
 """
@@ -28,17 +28,15 @@ import numpy as np
 import pandas as pd
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
+from omegaconf import DictConfig
 
 from probes.analysis.context import AnalysisContext, AnalysisResult, analysis_config, resolve_device, run_analysis
 from probes.config import compose
 from probes.data.conllu import Sentence, read_conllu, read_text, sentence_from_words, write_conllu_with_heads
 from probes.data.sources import Treebank
-from probes.extract.stage import AttentionExtractor, make_batch, split_by_pairs
-from probes.measures import build
 from probes.glue.export import hf_folder, load_finetuned
-from probes.model.inputs import check_words, encode_words, length_batches
+from probes.maps import MapEngine
+from probes.model.inputs import check_words, encode_words
 from probes.model.load import HEADS, Encoder, file_digest
 from probes.model.load import load_encoder as load_pretrained
 from probes.resolvers import unique_now
@@ -182,7 +180,8 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
 
     Each sentence is read alone as ``[first special] pieces [last special]``; the maps are computed in float32
     (no autocast) in length batches, without gradients (except where a kind needs them itself), and pooled
-    to words by the extraction stage's code: equal to a plain eager forward pooled to words.
+    to words by the map engine the extraction stage runs (:class:`probes.maps.MapEngine`): equal to a plain eager
+    forward pooled to words.
 
     Args:
         encoder: An encoder from :func:`load_encoder`, or what :func:`load_encoder` takes (None: the default).
@@ -208,40 +207,28 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
     words = [_words(s, i) for i, s in enumerate(sentences)]
     enc = encoder if isinstance(encoder, Encoder) else load_encoder(encoder)
     cfg = _settings(tuple(overrides))
-    ex = cfg.extract
-    measure = build(kind, OmegaConf.to_container(ex.measures, resolve=True))
     L = enc.num_layers
     chosen = list(range(L)) if layers is None else [layers] if isinstance(layers, int) else [int(x) for x in layers]
     bad = [x for x in chosen if not 0 <= x < L]
     if bad or not chosen:
         raise ValueError(f"layers must be in 0..{L - 1} (the encoder has {L} layers), got {layers!r}")
+    engine = MapEngine.from_config(cfg.extract, enc.model, kind=kind, layers=chosen, tokenizer=enc.tokenizer,
+                                   device=resolve_device(device or cfg.get("analysis_device")))
     if not words:
         return []
     tok = enc.tokenizer
     encoded = encode_words(tok, words)
-    limit = min(int(ex.max_length or enc.max_length), enc.max_length, measure.max_pieces or enc.max_length)
+    limit = engine.limit()
     for i, e in enumerate(encoded):
         if e.n_pieces > limit:
             raise ValueError(f"sentence {i} has {e.n_pieces} pieces with its special tokens; at most {limit} fit "
-                             f"(encoder {enc.name}: {enc.max_length}, kind {kind}: {measure.max_pieces or 'any'})")
-    lengths = [e.n_pieces for e in encoded]
-    batches = split_by_pairs(length_batches(lengths, int(ex.max_tokens), int(ex.max_batch_size)), lengths,
-                             ex.get("max_pairs"))
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    dev = resolve_device(device or cfg.get("analysis_device"))
-    extractor = AttentionExtractor(enc.model.to(dev), None if kind == "attention" else measure)
+                             f"(encoder {enc.name}: {enc.max_length}, kind {kind}: "
+                             f"{engine.measure.max_pieces or 'any'})")
     out: list[WordMaps | None] = [None] * len(encoded)
     show = len(encoded) > PROGRESS_MIN_SENTENCES if progress is None else progress
-    with torch.inference_mode(), tqdm(total=len(encoded), desc=f"word maps ({kind})", unit="sentence",
-                                      disable=not show) as bar:
-        for b in batches:
-            items = [encoded[i] for i in b]
-            batch = {k: v.to(dev) for k, v in make_batch(items, b, str(ex.from_words), str(ex.to_words), pad_id).items()}
-            maps = extractor.word_maps(batch, dtype=torch.float32)[:, chosen]  # (B, L', H', W, W)
-            for j, i in enumerate(b):
-                rows, labels = _rows(tok, encoded[i], words[i])
-                out[i] = WordMaps(words[i], labels, maps[j][:, :, rows][:, :, :, rows].cpu().numpy(), chosen, kind)
-            bar.update(len(b))
+    for i, maps in engine.iter_word_maps(encoded, torch.float32, desc=f"word maps ({kind})", progress=show):
+        rows, labels = _rows(tok, encoded[i], words[i])  # maps: (L', H', W, W)
+        out[i] = WordMaps(words[i], labels, maps[:, :, rows][:, :, :, rows].cpu().numpy(), chosen, kind)
     return out
 
 

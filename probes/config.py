@@ -13,13 +13,14 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.utils import get_object
+import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import probes.resolvers  # noqa: F401  (${unique_now:...} in conf/hydra)
@@ -47,6 +48,35 @@ def compose(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
     os.environ.setdefault("PROJECT_ROOT", str(PROJECT_ROOT))
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
+def plain(value: Any, resolve: bool = True) -> Any:
+    """``value`` as plain Python values, recursively: the one conversion of configs to dicts.
+
+    Args:
+        value: An omegaconf container (read as dicts and lists), a dataclass instance (a dict of its fields),
+            a mapping (a dict), a list or tuple (kept as such), a path (its string), a numpy scalar (the Python
+            number), or anything else (returned as it is).
+        resolve: Resolve the interpolations of omegaconf containers.
+
+    Returns:
+        The plain value: what a pickle, a JSON file and a weights-only checkpoint load all read.
+    """
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=resolve)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: plain(v, resolve) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v, resolve) for v in value]
+    if isinstance(value, tuple):  # a named tuple too: its class would not load
+        return tuple(plain(v, resolve) for v in value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 # ----------------------------------------------------------------------------- types of config values
@@ -111,7 +141,7 @@ def _check_value(node: DictConfig, key: str, path: str, want: Any, errors: list[
         return
     if isinstance(value, (DictConfig, ListConfig)):
         try:
-            value = OmegaConf.to_container(value, resolve=True)
+            value = plain(value)
         except Exception:
             return
         if isinstance(value, dict) and "_target_" in value:
@@ -168,13 +198,15 @@ class _AllOf(tuple):
 
 
 def _annotation(fn, p: inspect.Parameter) -> Any:
-    """The parameter's type: its annotation (evaluated in the function's module), else the type of its default;
+    """The parameter's type: its annotation (a string one resolved in the function's module by
+    :func:`typing.get_type_hints`; one that does not resolve counts as none), else the type of its default;
     None when neither says anything checkable."""
     ann = p.annotation
     if isinstance(ann, str):
+        holder = types.SimpleNamespace(__annotations__={p.name: ann})
         try:
-            ann = eval(ann, dict(vars(sys.modules[fn.__module__])), {})  # noqa: S307 (the project's own annotations)
-        except Exception:
+            ann = typing.get_type_hints(holder, globalns=vars(sys.modules[fn.__module__]), include_extras=True)[p.name]
+        except Exception:  # a name the module imports only for type checkers
             ann = inspect.Parameter.empty
     if ann is not inspect.Parameter.empty:
         return ann

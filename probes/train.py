@@ -44,11 +44,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from probes.config import check_types
+from probes.config import check_types, plain
 from probes.extract.settings import ExtractSettings
 from probes.io import atomic_write_text
 from probes.memory import peak_rss_mb, reset_peak_rss, set_mmap_threshold
 from probes.report.provenance import write_provenance
+from probes.stats import seed_everything
 from probes.training.callbacks import LAST, LastCheckpoint
 from probes.training.checkpoint import load_checkpoint, refuse_unsafe
 
@@ -214,7 +215,7 @@ def _train(cfg: DictConfig) -> dict[str, float]:
     check_types(cfg)  # wrong types in overrides: an error naming the key, before any work
     reset_peak_rss()
     set_mmap_threshold(cfg.get("malloc_mmap_threshold"))
-    pl.seed_everything(cfg.seed, workers=True)
+    seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()  # stage 1 outside the training Trainer: extract any split not cached yet
     model = instantiate(cfg.probe)
@@ -239,7 +240,7 @@ def _train(cfg: DictConfig) -> dict[str, float]:
 def _fit_and_test(cfg: DictConfig, datamodule, model, trainer: pl.Trainer, loggers: list, out: Path
                   ) -> dict[str, float]:
     for lg in loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        lg.log_hyperparams(plain(cfg))
 
     fit = cfg.fit
     if fit and not model.trainable():

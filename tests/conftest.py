@@ -38,6 +38,9 @@ WORDS = "the a cat dog saw liked house runs quickly big small red and of to in".
 
 
 TRUE = ("1", "true", "yes", "on")
+# the folders of the shared data that tests read through require_shared
+SHARED_FOLDERS = ("ud_english_ewt", "ud_english_gum", "glove", "glue", "gum_coref_ontogum", "litbank_coref",
+               "attention_patterns")
 
 
 def shared_data_dir() -> Path:
@@ -62,6 +65,19 @@ def require_shared(rel: str = "ud_english_ewt", what: str = "shared data") -> Pa
             pytest.fail(f"{why}; required because CI or PROBES_REQUIRE_DATA is set", pytrace=False)
         pytest.skip(why)
     return p
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Where the shared data is required (:func:`shared_data_required`), stop before any test when a folder of
+    :data:`SHARED_FOLDERS` is missing, naming it and ``PROBES_DATA_DIR``."""
+    if not shared_data_required():
+        return
+    root = shared_data_dir()
+    missing = [name for name in SHARED_FOLDERS if not (root / name).is_dir()]
+    if missing:
+        pytest.exit(f"the shared data is required (CI or PROBES_REQUIRE_DATA is set) but {', '.join(missing)} "
+                    f"not found under {root} (PROBES_DATA_DIR={os.environ.get('PROBES_DATA_DIR', '<unset>')}: "
+                    f"set it to the shared data folder)", returncode=1)
 
 
 @pytest.fixture
@@ -129,3 +145,18 @@ def find_browser() -> str:
     if os.environ.get("PROBES_REQUIRE_BROWSER") == "1":
         pytest.fail(f"PROBES_REQUIRE_BROWSER=1 but no chromium on PATH ({why})")
     pytest.skip(f"no headless browser: chromium not installed ({why})")
+
+
+def require_model(name: str) -> Path:
+    """The file of the real model ``name`` fetched by ``probes-fetch model=<name>`` (into ``paths.models_dir`` of
+    the real conf/); when it is missing the calling test fails in CI / with ``PROBES_REQUIRE_DATA=1`` (.ci/run
+    fetches what the tests read) and is skipped otherwise, naming the command."""
+    from probes.model.fetched import ModelNotFetched, fetched_path
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        models_dir = compose(config_name="analyze").paths.models_dir
+    try:
+        return fetched_path(name, models_dir)
+    except ModelNotFetched as e:
+        if shared_data_required():
+            pytest.fail(f"{e}; required because CI or PROBES_REQUIRE_DATA is set", pytrace=False)
+        pytest.skip(str(e))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from probes.glue.evaluate import MODEL_KEYS
-from probes.model.hooks import model_inputs
+from probes.model.structure import model_inputs
 
 
 @torch.inference_mode()

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from probes.measures import gradflow
-from probes.model import hooks
+from probes.model import hooks, structure
 
 
 def gradient_flow_loop(model: torch.nn.Module, input_ids: torch.Tensor, chain: bool = False) -> torch.Tensor:
@@ -33,7 +33,7 @@ def gradient_flow_loop(model: torch.nn.Module, input_ids: torch.Tensor, chain: b
     """
     with torch.enable_grad():
         x = model.get_input_embeddings()(input_ids.unsqueeze(0)).detach().requires_grad_(True)  # (1, T, E)
-        inputs = hooks.model_inputs(model, inputs_embeds=x, attention_mask=torch.ones_like(input_ids)[None],
+        inputs = structure.model_inputs(model, inputs_embeds=x, attention_mask=torch.ones_like(input_ids)[None],
                                     output_hidden_states=True)
         hs = model(**inputs).hidden_states  # L + 1 x (1, T, D), one graph
         res = []

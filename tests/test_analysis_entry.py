@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from probes.analysis.context import AnalysisContext
-from tests.conftest import TINY_CONLLU, require_shared, shared_data_dir
+from probes.model.tiny import tiny_folder
+from tests.conftest import SHARED_FOLDERS, TINY_CONLLU, require_shared, shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -150,8 +151,7 @@ def test_wordpiece_attention_equals_eager_forward(tmp_path, family):
     from probes.analysis.clark.head_stats import sequence_attention
     from probes.analysis.clark.metrics import is_period_comma
 
-    tiny = pytest.importorskip("probes.model.tiny")
-    folder = tiny.tiny_folder(family, root=tmp_path / "models")
+    folder = tiny_folder(family, root=tmp_path / "models")
     from probes.model.load import load_encoder
     enc = load_encoder(str(folder))
     ref = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
@@ -191,4 +191,20 @@ def test_missing_shared_data_fails_in_ci_and_skips_locally(tmp_path, monkeypatch
     assert str(tmp_path / "glue") in str(e.value)
     (tmp_path / "glue").mkdir()
     assert require_shared("glue") == tmp_path / "glue"
+
+
+def test_required_shared_data_stops_the_session(tmp_path):
+    """With PROBES_REQUIRE_DATA=1 (as .ci/run sets it) pytest stops before any test, exit status 1, naming the
+    missing folders and PROBES_DATA_DIR; with every folder of SHARED_FOLDERS present it collects."""
+    (tmp_path / "glue").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | dict(PROBES_REQUIRE_DATA="1", PROBES_DATA_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", "tests/test_io.py"]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "PROBES_DATA_DIR" in r.stdout + r.stderr
+    missing = set(SHARED_FOLDERS) - {"glue"}
+    assert all(name in r.stdout + r.stderr for name in missing) and "glue," not in r.stdout + r.stderr
+    for name in missing:
+        (tmp_path / name).mkdir()
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
 

@@ -15,7 +15,7 @@ from probes.analysis.clark.metrics import (
 )
 from probes.model.inputs import encode_word_pairs
 from probes.analysis.naming import head_name
-from probes.analysis.stats import entropy, js_divergence_matrix
+from probes.stats import entropy, js_divergence_matrix
 from probes.data.conllu import Sentence
 
 
@@ -318,7 +318,7 @@ def test_smoothed_entropy_equals_direct_loop():
 
 def test_offsets_clipped_to_root_equal_clarks_predictor():
     """Offset accuracies on random trees equal Clark's offset_predictor + evaluate_predictor (root and
-    punct left out as the table); a word near the start predicts ROOT (0), no longer word 1."""
+    punct left out as the table); a word near the start predicts ROOT (0), not word 1."""
     assert offset_predictions(3, -2).tolist() == [0, 0, 1]
     g = np.random.default_rng(2)
     offsets = [-3, -2, -1, 0, 1, 2]
@@ -358,7 +358,7 @@ def clark_js_distances(attns: np.ndarray) -> np.ndarray:
 
 def test_smoothed_js_distances_equal_clarks_code():
     """clustering's distance (smooth 0.001, JS in nats = bits x ln 2) equals head_distances.py, one-hot rows included."""
-    from probes.analysis.stats import LN2
+    from probes.stats import LN2
 
     g = np.random.default_rng(3)
     attns = g.dirichlet(np.full(6, 0.2), size=(2, 3, 6))  # (L, H, T, T)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from probes.analysis.pascual.attribution import PATTERNS, argmax_patterns, captum_head_attribution, select_shortest
-from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
+from probes.stats import js_divergence, spearman_rows, top1_agreement
 from probes.measures.gradflow import (attribution_distribution, head_attribution_gflops, head_attributions,
                                       hta_attributions, ig_baseline, ig_points, input_x_gradient, integrated_gradients,
                                       layer_head_scalars_fn, word_embeddings)
@@ -84,7 +84,7 @@ def test_batched_attributions_match_captum(tiny, method):
 @pytest.mark.parametrize("method,baseline,chunk", [("ixg", None, 1024), ("ig", "zero", 1024), ("ig", "pad", 7),
                                                    ("ig", "zero", None), ("hta", None, 5)])
 def test_batched_points_equal_stepwise_reference(tiny, method, baseline, chunk):
-    """IG points as one batch dimension (and targets x points in chunks) = the old loop of one vjp per step."""
+    """IG points as one batch dimension (and targets x points in chunks) = a loop of one vjp per step."""
     enc, ids = tiny
     b = None if baseline is None else ig_baseline(enc.model, ids, baseline, enc.tokenizer.pad_token_id)
     calls = []

@@ -1,7 +1,7 @@
 """Caches that cannot lie: every file of an entry has its size and CRC-32 in the manifest, written while the
 shards were written; a damaged entry (bytes overwritten in place, a truncated shard, a missing index) is an
 error naming the entry, the file and the command that rebuilds it, or, where the runner ensures the entry,
-is moved aside and rebuilt byte for byte; entries written without checksums are still read."""
+is moved aside and rebuilt byte for byte; a manifest without checksums is damaged too."""
 
 from __future__ import annotations
 
@@ -123,15 +123,13 @@ def test_the_runner_moves_a_damaged_entry_aside_and_rebuilds_it(built, damage, t
     shutil.rmtree(aside[0])
 
 
-def test_an_entry_without_checksums_is_read_unverified(entry, caplog):
+def test_an_entry_without_checksums_is_damaged(entry):
     manifest = json.loads((entry / "manifest.json").read_text())
     del manifest["checksums"]
     (entry / "manifest.json").write_text(json.dumps(manifest))
-    caplog.set_level(logging.WARNING)
-    a, b = C.AttentionCache(entry), C.AttentionCache(entry)
-    assert len(a) == len(b) == 400 and a[3].shape == b[3].shape
-    assert caplog.text.count("without checksums") == 1
-    assert C.verify(entry) is False
+    with pytest.raises(C.CacheDamaged, match="manifest.json lists no checksums") as e:
+        C.AttentionCache(entry)
+    assert e.value.entry == entry and e.value.file == "manifest.json"
 
 
 def test_hidden_state_entries_have_checksums_too(built, tmp_path):

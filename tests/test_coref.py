@@ -12,10 +12,9 @@ from probes.analysis.context import AnalysisContext
 from probes.data.coref import (CorefDocument, CorefError, CorefSentence, heuristic_head,
                                parse_entity_field, read_conll2012, read_gum_coref, read_ontogum)
 from probes.model.load import tiny_bert
-from tests.conftest import shared_data_dir
+from tests.conftest import require_shared
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = shared_data_dir()
 
 # doc d1: "John saw his dog ." "He liked the dog ." "It barked ."
 # clusters: 1 = John / his / He; 2 = his dog / the dog / It; 5 = a (made-up) singleton 'saw' that
@@ -283,9 +282,7 @@ def test_coref_heads_end_to_end_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_real_gum_dev_reader():
-    p = SHARED / "ud_english_gum" / "en_gum-ud-dev.conllu"
-    if not p.is_file():
-        pytest.skip("shared GUM data not found")
+    p = require_shared("ud_english_gum/en_gum-ud-dev.conllu", "GUM dev")
     docs = read_gum_coref(p)
     assert len(docs) == 30
     assert sum(len(d.mentions) for d in docs) == 7897
@@ -293,11 +290,9 @@ def test_real_gum_dev_reader():
 
 @pytest.mark.slow
 def test_real_ontogum_and_litbank_readers():
-    og = SHARED / "gum_coref_ontogum" / "ontogum_dev.conll"
-    if not og.is_file():
-        pytest.skip("shared OntoGUM data not found")
-    docs = read_ontogum(og, SHARED / "ud_english_gum" / "en_gum-ud-dev.conllu")
+    og = require_shared("gum_coref_ontogum/ontogum_dev.conll", "OntoGUM dev")
+    docs = read_ontogum(og, require_shared("ud_english_gum/en_gum-ud-dev.conllu", "GUM dev"))
     assert len(docs) == 30 and sum(len(d.mentions) for d in docs) == 3818  # SOURCES.md: 3,818 openings
     from probes.data.coref import read_litbank
-    lit = read_litbank(SHARED / "litbank_coref" / "conll", max_files=5)
+    lit = read_litbank(require_shared("litbank_coref/conll", "LitBank"), max_files=5)
     assert len(lit) == 5 and all(d.mentions for d in lit)

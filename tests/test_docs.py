@@ -1,6 +1,7 @@
 """The docs: the MkDocs site builds with warnings as errors, the README stays a landing page, every
-relative link in the README and the pages points to a file that exists, and the built index and API
-reference pages render in headless Chromium with their headings and API names."""
+relative link in the README and the pages points to a file that exists, every public module has its entry in
+the API reference, and the built index and API reference pages render in headless Chromium with their
+headings and API names."""
 
 import os
 import re
@@ -23,11 +24,18 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"\s*$', re.M)  # pymdownx.snippets, paths from the repository root
 
 
+API_PAGE = DOCS / "reference" / "api.md"  # the overview: `probes` and the public API `probes.api`
+API_PAGES = DOCS / "reference" / "api"  # one page per package: <pkg>.md; the top-level modules on probes.md
+ENTRY = re.compile(r"^::: ([\w.]+)\s*$", re.M)
+
+
 class _MkDocsLoader(yaml.SafeLoader):
-    """mkdocs.yml with MkDocs' own tags (``!relative``, ``!ENV``) read as None: only the nav is needed here."""
+    """mkdocs.yml with MkDocs' own tags (``!relative``, ``!ENV``, ``!!python/name:``) read as None: only the nav
+    is needed here."""
 
 
 _MkDocsLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+_MkDocsLoader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
 
 
 def _pages() -> list[Path]:
@@ -50,6 +58,49 @@ def relative_links(path: Path) -> list[str]:
     return out
 
 
+def public_modules() -> list[str]:
+    """Every module of the package whose name does not start with ``_`` (packages by their ``__init__.py``)."""
+    out = []
+    for path in (ROOT / "probes").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if not any(p.startswith("_") for p in parts):
+            out.append(".".join(parts))
+    return sorted(out)
+
+
+def api_page(module: str) -> Path:
+    """The reference page that documents ``module``: the overview for ``probes`` and ``probes.api``, the page
+    of its top-level package, or ``probes.md`` for the other top-level modules."""
+    if module in ("probes", "probes.api"):
+        return API_PAGE
+    top = module.split(".")[1]
+    return API_PAGES / (f"{top}.md" if (ROOT / "probes" / top).is_dir() else "probes.md")
+
+
+def api_entries() -> dict[str, list[Path]]:
+    """``::: name`` entries of the reference pages: name -> the pages that hold it."""
+    out: dict[str, list[Path]] = {}
+    for page in [API_PAGE, *sorted(API_PAGES.glob("*.md"))]:
+        for name in ENTRY.findall(page.read_text()):
+            out.setdefault(name, []).append(page)
+    return out
+
+
+def test_every_public_module_has_an_api_entry():
+    mods, entries = public_modules(), api_entries()
+    rel = lambda p: os.path.relpath(p, ROOT)  # noqa: E731
+    errors = [f"add `::: {m}` to {rel(api_page(m))}" + ("" if api_page(m).is_file() else
+              " (a new page: add it to the nav of mkdocs.yml under Reference > API)")
+              for m in mods if m not in entries]
+    errors += [f"`::: {m}` in {', '.join(map(str, map(rel, pages)))}: no such module" for m, pages in entries.items()
+               if m not in mods]
+    errors += [f"`::: {m}` is on {', '.join(map(str, map(rel, pages)))}; once, on {rel(api_page(m))}"
+               for m, pages in entries.items() if m in mods and pages != [api_page(m)]]
+    assert not errors, "the API reference does not match the package:\n" + "\n".join(errors)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """`mkdocs build --strict` of this checkout into a temp folder; any warning fails the build."""
@@ -69,10 +120,21 @@ def test_site_builds_strict(site):
     for page in ("index.html", "getting-started/index.html", "reference/api/index.html",
                  "papers/clark/index.html", "howto/treebank/index.html"):
         assert (site / page).is_file(), page
-    api = (site / "reference" / "api" / "index.html").read_text()
+    # mkdocstrings rendered every module's entry, and objects from their docstrings, on the module's page
+    def built(page: Path) -> Path:  # docs/reference/api/model.md -> <site>/reference/api/model/index.html
+        return site / page.relative_to(DOCS).with_suffix("") / "index.html"
+
+    for name, pages in api_entries().items():
+        assert f'id="{name}"' in built(pages[0]).read_text(), (name, pages[0])
     for name in ("probes.config.compose", "probes.analysis.context.AnalysisContext", "probes.model.load.load_encoder",
-                 "probes.measures.Measure"):
-        assert f'id="{name}"' in api, name  # mkdocstrings rendered the object from its docstring
+                 "probes.measures.Measure", "probes.api.word_maps"):
+        page = api_page(name.rpartition(".")[0])
+        assert f'id="{name}"' in built(page).read_text(), (name, page)
+    # the docstrings' Sphinx roles (:func:`x`) are links to the entries (docs/reference/griffe_roles.py), never raw
+    ref = [p.read_text() for p in (site / "reference" / "api").rglob("index.html")]
+    raw = sorted({m for text in ref for m in re.findall(r":(?:func|class|mod|meth|attr|data|exc):<code>[^<]*", text)})
+    assert not raw, raw[:10]
+    assert sum(text.count('class="autorefs autorefs-internal"') for text in ref) > 100
     # the figures the pages show are in the site, at the same place relative to the page's source
     for page in _pages():
         for target in relative_links(page):
@@ -121,7 +183,8 @@ def test_link_check_sees_a_broken_link(tmp_path):
 
 @pytest.mark.parametrize("page, heading, names", [
     ("index.html", "Where to start", ["Getting started", "Clark et al. 2019"]),
-    ("reference/api/index.html", "API reference", ["AnalysisContext", "load_encoder", "compose"]),
+    ("reference/api/index.html", "API reference", ["probes.api", "load_encoder", "word_maps", "analyze"]),
+    ("reference/api/model/index.html", "probes.model", ["probes.model.load", "load_encoder", "encode_words"]),
 ])
 def test_site_renders_in_chromium(site, tmp_path, page, heading, names):
     browser = find_browser()

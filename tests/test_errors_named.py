@@ -18,7 +18,7 @@ import probes
 from probes.config import ConfigTypeError, check_types
 from probes.extract import cache as C
 from probes.extract import precision as P
-from probes.extract import stage
+from probes.extract import stage, writer
 from probes.extract.run import ensure_caches
 from probes.extract.settings import ExtractSettings
 from probes.io import DiskFullError, atomic_write, atomic_write_text
@@ -209,7 +209,7 @@ def test_full_disk_while_writing_the_attention_cache_names_the_entry(tmp_path, m
             self._f.close()
             self._f = open("/dev/full", "wb", buffering=0)  # every write: ENOSPC from the kernel
 
-    monkeypatch.setattr(stage.C, "ShardWriter", FullShard)
+    monkeypatch.setattr(writer.cache, "ShardWriter", FullShard)
     sents = [[WORDS[(i + k) % len(WORDS)] for k in range(4)] for i in range(4)]
     trainer = stage.pl.Trainer
     key = dict(encoder="tiny", dataset="full", split="x")

@@ -21,8 +21,11 @@ from probes.extract.representations import HiddenStates
 from probes.extract.run import ensure_cache, ensure_caches
 from probes.extract.runner import TreebankSplit, entry_path
 from probes.extract.settings import ExtractSettings
-from probes.extract.stage import AttentionExtractor, AttentionMaps, extract, linears_in, make_batch, precision_timer, \
-    pooling_matrices, timing_batches
+from probes.extract.precision import precision_timer, timing_batches
+from probes.extract.stage import AttentionExtractor, AttentionMaps, extract
+from probes.maps import MapEngine, make_batch, pooling_matrices
+from probes.measures.attention import Attention
+from probes.model.frozen import linears_in
 from probes.model.inputs import WORD_ENCODING, encode_words, length_batches
 from probes.model.load import Encoder, tiny_bert
 from tests.conftest import ROOT, WORDS, chain_overrides, compose_train
@@ -62,7 +65,7 @@ def word_maps_fp32(enc: Encoder, sentences) -> list[np.ndarray]:
     encoded = encode_words(enc.tokenizer, sentences)
     batch = make_batch(encoded, list(range(len(encoded))), "mean", "sum", enc.tokenizer.pad_token_id)
     with torch.inference_mode():
-        maps = AttentionExtractor(enc.model).word_maps(batch, torch.float32)  # (B, L, H, W, W)
+        maps = MapEngine(enc.model, Attention()).word_maps(batch, torch.float32)  # (B, L, H, W, W)
     return [maps[k, :, :, :e.n_words + 2, :e.n_words + 2].numpy() for k, e in enumerate(encoded)]
 
 
@@ -93,7 +96,7 @@ def test_attentions_stop_early_and_equal_full_forward():
     enc = tiny_bert()
     ids = torch.tensor([enc.tokenizer(" ".join(SENTS[3]))["input_ids"]])
     with torch.no_grad():
-        got = AttentionExtractor(enc.model).attentions(ids, torch.ones_like(ids))  # (1, L, H, T, T)
+        got = torch.stack(MapEngine(enc.model, Attention()).piece_maps(ids, torch.ones_like(ids)), 1)  # (1, L, H, T, T)
         full = eager_twin(enc)(input_ids=ids, output_attentions=True).attentions
     assert got.shape == (1, enc.num_layers, enc.num_heads, ids.shape[1], ids.shape[1])
     torch.testing.assert_close(got[0], torch.stack(full, 0)[:, 0], atol=1e-6, rtol=0)
@@ -121,7 +124,7 @@ def test_fp16_linears_in_casts_linear_weights_once_bit_identically():
     enc = tiny_bert(max_position_embeddings=128)
     before = {n: p.detach().clone() for n, p in enc.model.named_parameters()}
     params = {n: p for n, p in enc.model.named_parameters()}
-    ex = AttentionExtractor(enc.model)
+    ex = AttentionExtractor(MapEngine(enc.model, Attention()))
     encoded = encode_words(enc.tokenizer, SENTS)
     batch = make_batch(encoded, list(range(len(SENTS))), "mean", "sum", enc.tokenizer.pad_token_id)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
@@ -159,7 +162,7 @@ def test_bf16_extraction_holds_the_whole_model_in_bf16(tmp_path):
     assert to_ref <= 1e-2, to_ref
     assert 0 < to_fp32 <= 1e-2, to_fp32
     # fp32 entries are what they were: the plain fp32 path, pooled in float32
-    ex = AttentionExtractor(enc.model)
+    ex = AttentionExtractor(MapEngine(enc.model, Attention()))
     encoded = encode_words(enc.tokenizer, SENTS)
     batch = make_batch(encoded, list(range(len(SENTS))), "mean", "sum", enc.tokenizer.pad_token_id)
     with torch.inference_mode():
@@ -261,7 +264,7 @@ def test_resolve_precision_measures_once_and_keys_on_shape(tmp_path, monkeypatch
         timed.append(encoder.config.num_hidden_layers)
         return lambda p: {"32-true": 1.0, "bf16-mixed": 2.0}[p] * encoder.config.num_hidden_layers
 
-    monkeypatch.setattr("probes.extract.stage.precision_timer", timer)
+    monkeypatch.setattr("probes.extract.precision.precision_timer", timer)
     a, b = tiny_bert(), tiny_bert(num_hidden_layers=3)
     assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, lookup_only=True, margin=1.3) is None
     assert P.resolve_precision("auto", "cpu", a, SENTS, tmp_path, margin=1.3) == "32-true"
@@ -355,18 +358,14 @@ PIN_CONLLU = ("# sent_id = a\n1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_\n2\tdog\tdog\
               "1\tUnbelievably\tunbelievably\tADV\t_\t_\t2\tadvmod\t_\t_\n2\tlong\tlong\tADJ\t_\t_\t0\troot\t_\t_\n\n")
 
 
-def test_cache_keys_are_those_of_existing_caches(tmp_path):
-    """Entry names (key hashes) of every cache kind are what they were but for the word-encoding rule, which every
-    key now names (``word_encoding``: entries made from words encoded another way are never read again): the key
-    without that field hashes to the pinned names of the code before the rule existed, and the entry's actual name
-    differs from it.
+def test_cache_keys_are_pinned(tmp_path):
+    """The key of the default attention entry, field by field, and the entry names (key hashes) of every cache
+    kind, pinned: a change of the key changes these names and must come with a new ``FORMAT_VERSION`` (or a new
+    field) so that no entry is read under a key that does not describe it.
 
-    The expected names were computed with the code before the extraction settings, key builder and runner
-    were unified (``probes.extract.run.cache_key``, ``probes.extract.representations._resolved`` and the key
-    written inline in ``probes.analysis.clark.coref_heads.coref_cache``, captured by replacing
-    ``probes.extract.stage.extract``), on the same treebank file, ``encoder=tiny`` and the ``extract`` node of
-    conf/ with ``extract.precision=32-true``. A change of conf/extract/default.yaml's measure options changes the
-    keys of that map kind, and should: it makes new entries.
+    Computed on the pinned treebank file, ``encoder=tiny`` and the ``extract`` node of conf/ with
+    ``extract.precision=32-true``. A change of conf/extract/default.yaml's measure options changes the keys of
+    that map kind, and should: it makes new entries.
     """
     (tmp_path / "pin").mkdir()
     (tmp_path / "pin" / "pin-dev.conllu").write_text(PIN_CONLLU)
@@ -377,53 +376,44 @@ def test_cache_keys_are_those_of_existing_caches(tmp_path):
     dev = TreebankSplit(tb, "dev", None)
 
     def name(kind, source, settings, precision="32-true"):
-        """The entry's name as before the rule existed: its key without ``word_encoding``."""
-        key = cache_key(enc, source, kind, settings, precision)
+        """The entry's name; the same as entry_dir's of cache_key."""
         actual = entry_path(enc, kind, source, settings, "/c", precision)
-        assert actual.name == entry_dir("/c", key, kind.folder).name and key.pop("word_encoding") == WORD_ENCODING
-        before = entry_dir("/c", key, kind.folder).name
-        assert actual.name != before
-        return before
+        assert actual.name == entry_dir("/c", cache_key(enc, source, kind, settings, precision), kind.folder).name
+        return actual.name
 
-    assert name(AttentionMaps(), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-1baccda766a00fb2"
-    assert name(AttentionMaps(), TreebankSplit(tb, "dev", 1), s) == "tiny-bert-6dbe4a76e6ed-pin-dev-83ab0f4b04c9285b"
-    assert name(AttentionMaps(), dev, s.replace(maps="rollout")) == "tiny-bert-6dbe4a76e6ed-pin-dev-db8e289c485e51d4"
-    # flow: the key of the default measure node since its capacities are scaled by 1e9 (1e6 before: the maps
-    # changed, so the entries were meant to be rebuilt; the 1e6 node still gives the old name)
+    assert cache_key(enc, dev, AttentionMaps(), s, "32-true") == dict(
+        format_version=2, encoder="tiny-bert-6dbe4a76e6ed", revision="random-6dbe4a76e6ed",
+        word_encoding=WORD_ENCODING, max_length=128, precision="32-true", storage="float16", causal=False,
+        bos=False, dataset="pin", split="dev", max_sentences=None, long_sentences="skip",
+        data_sha256="09837535d941a0c68ce84f629e361967c1ecdd22c80f2a10ba2d3a5b992af0d8",
+        from_words="mean", to_words="sum", layers=[0, 1],
+        maps=dict(kind="attention", _target_="probes.measures.attention.Attention"))
+    assert name(AttentionMaps(), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-a4bf1e12496f25b7"
+    assert name(AttentionMaps(), TreebankSplit(tb, "dev", 1), s) == "tiny-bert-6dbe4a76e6ed-pin-dev-01e21b748701806b"
+    assert name(AttentionMaps(), dev, s.replace(maps="rollout")) == "tiny-bert-6dbe4a76e6ed-pin-dev-f9c5bc85999fa334"
+    assert name(AttentionMaps(), dev, s.replace(layers=[1, 0])) == "tiny-bert-6dbe4a76e6ed-pin-dev-b44489f7b04d599c"
     assert name(AttentionMaps(), dev, s.replace(maps="flow", max_length=20), "bf16-mixed") == \
-        "tiny-bert-6dbe4a76e6ed-pin-dev-5b04554d9e0c4bc5"
-    old_flow = dict(s.measures, flow=dict(s.measures["flow"], scale=1000000))
-    assert name(AttentionMaps(), dev, s.replace(maps="flow", max_length=20, measures=old_flow), "bf16-mixed") == \
-        "tiny-bert-6dbe4a76e6ed-pin-dev-293c96e0c1bbf4e3"
-    assert name(HiddenStates(None, "mean"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-e03b4acb4cc7a40f"
-    assert name(HiddenStates((2, 0), "first"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-16ae26af8b32ca2f"
+        "tiny-bert-6dbe4a76e6ed-pin-dev-6e02eb8e583362ad"
+    assert name(AttentionMaps(), dev, s, "bf16-mixed") == "tiny-bert-6dbe4a76e6ed-pin-dev-d891e84dd4031b9d"
+    assert name(HiddenStates(None, "mean"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-bcead9bf626836d7"
+    assert name(HiddenStates((2, 0), "first"), dev, s) == "tiny-bert-6dbe4a76e6ed-pin-dev-594a09bb66b2828a"
     assert entry_path(enc, HiddenStates(None, "mean"), dev, s, "/c", "32-true").parent.name == "hidden"
     coref = coref_source([], [], "gum", "dev", "0123456789abcdef", None)
     fit = s.replace(max_length=40, long_sentences="error")
-    assert name(AttentionMaps(), coref, fit) == "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-0e168b2c1f7e7df0"
+    assert name(AttentionMaps(), coref, fit) == "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-6d40f851c2022b0e"
     assert name(AttentionMaps(), coref, fit.replace(maps="rollout")) == \
-        "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-8c4649960c313d8e"
-    # one builder: the attention folder's name is entry_dir's of cache_key
-    assert entry_dir("/c", cache_key(enc, dev, AttentionMaps(), s, "32-true")).name == \
-        entry_path(enc, AttentionMaps(), dev, s, "/c", "32-true").name
-    # bf16-mixed attention maps are computed with the model held in bf16: their own field, so entries of the
-    # autocast path are not reused; other kinds and map kinds keep their keys (the flow names above)
-    held = cache_key(enc, dev, AttentionMaps(), s, "bf16-mixed")
-    assert held.pop("word_encoding") == WORD_ENCODING  # the names below: as before the rule existed
-    assert held.pop("rows") == "packed"  # BERT-style encoders on packed rows: new bf16 maps, new entries
-    assert entry_dir("/c", held).name == "tiny-bert-6dbe4a76e6ed-pin-dev-7d8570aea2fb046e"  # the held path's (before)
-    assert held.pop("held") == "bfloat16"
-    assert entry_dir("/c", held).name == "tiny-bert-6dbe4a76e6ed-pin-dev-74b4df8522d9fbb5"  # the autocast path's (before)
-    assert name(AttentionMaps(), dev, s, "bf16-mixed") not in (entry_dir("/c", held).name,
-                                                                "tiny-bert-6dbe4a76e6ed-pin-dev-7d8570aea2fb046e")
-    assert "held" not in cache_key(enc, dev, HiddenStates(None, "mean"), s, "bf16-mixed")
+        "tiny-bert-6dbe4a76e6ed-gum-coref-segments-dev-90b80c62a8578597"
+    # the measure node's options are in the key: another flow scale, another entry
+    other_flow = dict(s.measures, flow=dict(s.measures["flow"], scale=1000000))
+    assert name(AttentionMaps(), dev, s.replace(maps="flow", max_length=20, measures=other_flow), "bf16-mixed") != \
+        "tiny-bert-6dbe4a76e6ed-pin-dev-6e02eb8e583362ad"
     with pytest.raises(ValueError, match="long_sentences=error"):
         name(AttentionMaps(), coref, s)  # word lists are keyed without the policy: only 'error' is allowed
 
 
 def test_selected_layers_equal_those_of_the_full_cache_under_their_own_key(tmp_path):
     """``extract.layers``: the entry stores the chosen layers in the chosen order, equal to the same layers of
-    an all-layer entry (a separate extraction); the all-layer key is unchanged, a subset gets its own; the
+    an all-layer entry (a separate extraction); null and the list of every layer share a key, a subset gets its own; the
     analyses name heads by their real layer; a bad index fails before any work, naming the key."""
     (tmp_path / "pin").mkdir()
     (tmp_path / "pin" / "pin-dev.conllu").write_text(PIN_CONLLU)
@@ -433,7 +423,7 @@ def test_selected_layers_equal_those_of_the_full_cache_under_their_own_key(tmp_p
     s = ExtractSettings.from_config(cfg.extract)
     assert enc.num_layers >= 2
     every = list(range(enc.num_layers))
-    assert s.layers is None and s.layer_key(enc) == {} and s.replace(layers=every).layer_key(enc) == {}
+    assert s.layers is None and s.layer_key(enc) == s.replace(layers=every).layer_key(enc) == {"layers": every}
     dev = TreebankSplit(tb, "dev", None)
     full, sents = ensure_cache(enc, tb, "dev", s, tmp_path / "c")
     sub, _ = ensure_cache(enc, tb, "dev", s.replace(layers=[1, 0]), tmp_path / "c")

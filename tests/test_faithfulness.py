@@ -21,14 +21,14 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from probes.analysis.beyond.faithfulness import (METRICS, Classifier, make_items, map_importance, merge, paper_numbers,
                                                  score_example, top_counts)
 from probes.analysis.context import AnalysisContext, run_analysis
-from probes.analysis.stats import bootstrap_mean
+from probes.stats import bootstrap_mean
 from probes.data.glue import GlueExample
 from probes.glue.export import load_finetuned
 from probes.measures.attention import Attention
 from probes.measures.gradient import GradAttribution
 from probes.measures.rollout import Flow
 from probes.measures.saliency import HeadAttributionRows, logit_attributions
-from probes.model import hooks
+from probes.model import hooks, structure
 from probes.model.families import set_padding
 from probes.model.fixed_inputs import fixed_inputs
 from probes.model.tiny import FAMILIES, tiny_folder
@@ -103,7 +103,7 @@ def slow_probs(model, ids: list[int], tt: list[int] | None) -> np.ndarray:
     if tt is not None:
         inp["token_type_ids"] = torch.tensor([tt])
     with torch.no_grad():
-        return model(**hooks.model_inputs(model, **inp)).logits.softmax(-1)[0].numpy()
+        return model(**structure.model_inputs(model, **inp)).logits.softmax(-1)[0].numpy()
 
 
 def slow_remove(ids, tt, units, removed, erase, mask_id):
@@ -264,7 +264,7 @@ def test_score_example_against_slow_implementations(root, family, task, erase):
         if item.token_types is not None:
             inp["token_type_ids"] = torch.tensor([item.token_types])
         with torch.no_grad():
-            att = model(**hooks.model_inputs(model, **inp), output_attentions=True).attentions[-1][0]  # (H, T, T)
+            att = model(**structure.model_inputs(model, **inp), output_attentions=True).attentions[-1][0]  # (H, T, T)
         want = np.array([float(att[:, 0, u].mean(0).sum()) for u in item.units])
         np.testing.assert_allclose(es.scores[("attention", 2)], want, atol=1e-5)
         x_ = torch.tensor(item.ids)

@@ -126,7 +126,8 @@ def test_analysis_runs_on_family(models, family, analysis, tmp_path):
     cfg = _analysis_cfg(tmp_path, family, analysis, *STAGES[analysis])
     run_analysis(cfg, tmp_path / "out")
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["seconds"] >= 0
+    assert summary["analysis"] == analysis  # the analysis that ran is the one asked for
+    assert summary.get("n_sentences", summary.get("n_sequences")) > 0
     csvs = list((tmp_path / "out").glob("*.csv"))
     assert csvs and all(len(pd.read_csv(p)) > 0 for p in csvs)
     if analysis == "head_stats":

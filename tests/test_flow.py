@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from probes.analysis.stats import ols
+from probes.stats import ols
 from probes.analysis.pascual.attribution import captum_head_attribution
 from probes.analysis.westera.flow import correlations, pair_rows, select_sentences
 from probes.measures.gradflow import (attribution_distribution, block_functions, gradient_flow, head_attributions,
                                       hidden_and_attention)
-from probes.model import hooks
+from probes.model import attention_function, structure
 from probes.model.load import tiny_bert
 from tests.reference import gradient_flow_loop, pool_by_loops, pooling_by_hand, text_pieces, word_groups
 
@@ -51,7 +51,7 @@ def identity_bert():
     """Tiny BERT whose every encoder layer is the identity map h_n = h_{n-1}: attention-output and FFN
     output projections zeroed, the two post-residual LayerNorms replaced by nn.Identity."""
     enc = tiny_bert(num_hidden_layers=3)
-    for layer in hooks.blocks(enc.model):  # BertLayer
+    for layer in structure.blocks(enc.model):  # BertLayer
         for lin in (layer.attention.output.dense, layer.output.dense):
             lin.weight.data.zero_()
             lin.bias.data.zero_()
@@ -176,7 +176,7 @@ def tiny_family(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.AutoModel.from_config(cfg, attn_implementation="eager")
     model.eval().requires_grad_(False)
-    hooks.prepare(model)
+    attention_function.prepare(model)
     return _randomise_layernorms(model, seed)
 
 

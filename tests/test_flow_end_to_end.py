@@ -149,8 +149,6 @@ def test_attribution_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("family", ["distilbert", "albert"])
 def test_flow_and_attribution_other_families(tmp_path, family):
-    if not (CONF / "encoder" / "tiny_family.yaml").exists():
-        pytest.skip("conf/encoder/tiny_family.yaml (probes.model.tiny) not available")
     enc = ["encoder=tiny_family", f"encoder.family={family}", f"encoder.root={tmp_path / 'models'}"]
     corr, summ = _run(_cfg(tmp_path, "flow", *enc), tmp_path / "flow")
     assert summ["model_type"] == family and summ["n_sentences"] == 2 and len(summ["rho_G_A_per_layer"]) == 2

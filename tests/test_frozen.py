@@ -8,7 +8,7 @@ from torch import nn
 from transformers import (AutoModel, BertConfig, BertModel, DistilBertConfig, DistilBertModel, ElectraConfig,
                           ElectraModel, RobertaConfig, RobertaModel)
 
-from probes.model import hooks, packed
+from probes.model import attention_function, hooks, packed
 from probes.model.frozen import _exact_gelu, held_in, packed_linear_supported
 from probes.model.inputs import pad
 from probes.model.load import tiny_bert
@@ -87,9 +87,9 @@ def _bert_style(family: str) -> nn.Module:
     if family == "bert":
         model = tiny_bert(num_hidden_layers=3, max_position_embeddings=64).model
     elif family == "roberta":
-        model = hooks.prepare(RobertaModel(RobertaConfig(**sizes)).eval())
+        model = attention_function.prepare(RobertaModel(RobertaConfig(**sizes)).eval())
     else:
-        model = hooks.prepare(ElectraModel(ElectraConfig(embedding_size=16, **sizes)).eval())
+        model = attention_function.prepare(ElectraModel(ElectraConfig(embedding_size=16, **sizes)).eval())
     with torch.no_grad():  # peaked maps (random initial weights give near-uniform ones)
         for layer in model.encoder.layer:
             layer.attention.self.query.weight.mul_(20.0)

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from probes.analysis.clark import grad_sep as G
 from probes.analysis.context import AnalysisContext
 from probes.model.load import MissingHeadError, tiny_bert
+from probes.model.tiny import tiny_folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -242,8 +243,7 @@ TINY_FAMILIES = ("roberta", "distilbert", "xlm-roberta")
 def test_grad_sep_other_families(tiny_cfg, tmp_path, family):
     """Byte-level BPE (RoBERTa: </s> is the separator, 'Ġ.' pieces), no token types (DistilBERT),
     SentencePiece (XLM-R): [SEP] and '.'/',' targets found, gradients finite."""
-    tiny = pytest.importorskip("probes.model.tiny")
-    folder = tiny.tiny_folder(family, root=tmp_path / "models")
+    folder = tiny_folder(family, root=tmp_path / "models")
     cfg = tiny_cfg("encoder=auto", f"encoder.name_or_path={folder}")
     m = G.load_masked_lm(cfg.encoder)
     tok = m.tokenizer

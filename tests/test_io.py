@@ -58,7 +58,7 @@ def test_cache_files_follow_the_umask(tmp_path, with_umask, mask, expected):
     w.write(0, np.zeros((1, 1, 3, 3), dtype=np.float16))
     w.close()
     C.finalize(part, final, dict(format_version=C.FORMAT_VERSION, key={}, n_sentences=1, skipped=[],
-                                 num_layers=1, num_heads=1))
+                                 num_layers=1, layers=[0], num_heads=1))
     assert {p.name: mode(p) for p in final.iterdir()} == {n: expected for n in ("maps-r0.f16", "index-r0.npy",
                                                                                "manifest.json")}
     assert C.AttentionCache(final)[0].shape == (1, 1, 3, 3)

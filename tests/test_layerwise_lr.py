@@ -75,7 +75,7 @@ def test_decay_one_builds_todays_groups(mrpc_dir, tmp_path):
     module = instantiate(_cfg(mrpc_dir, tmp_path, "probe.scheduler=null").probe)
     assert module.hparams.layer_decay == 1.0  # the config default
     opt = module.configure_optimizers()
-    # the groups before the option existed: encoder (decayed, not decayed), head (decayed, not decayed)
+    # layer_decay=1: four groups: encoder (decayed, not decayed), head (decayed, not decayed)
     nd = ("bias", "LayerNorm.weight")
     expect = []
     for m in (module.encoder, module.head):

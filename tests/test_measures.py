@@ -22,10 +22,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from transformers import AutoModel
 
-from probes.measures import build, iter_maps
+from probes.maps import MapEngine
+from probes.measures import build
 from probes.measures.rollout import flow_maps
 from probes.measures.value_zeroing import ValueZeroing
-from probes.model import hooks
+from probes.model import attention_function, structure
+from probes.model.inputs import Encoded
 from probes.model.load import load_packaged
 from probes.model.tiny import FAMILIES, tiny_folder
 from tests.conftest import ROOT, TINY_CONLLU
@@ -51,7 +53,7 @@ def _setup(folder):
     T = max(len(x) for x in seqs)
     batch = dict(input_ids=torch.tensor([x + [tok.pad_token_id or 0] * (T - len(x)) for x in seqs]),
                  attention_mask=torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in seqs]))  # right-padded
-    model = hooks.prepare(AutoModel.from_pretrained(folder).eval())
+    model = attention_function.prepare(AutoModel.from_pretrained(folder).eval())
     ref = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():  # the random tiny model mixes little: larger values make the measures well conditioned
         for m in (model, ref):
@@ -252,12 +254,11 @@ def test_unknown_kind_is_a_clear_error():
     assert build("alti", MEASURES).heads(4) == 1 and build("norm", MEASURES).heads(4) == 4
 
 
-def test_iter_maps_equals_measure_alone(folders):
+def test_engine_piece_maps_equal_measure_alone(folders):
     model, _, batch, ids = _setup(folders["bert"])
-    from probes.model.inputs import Encoded
-
     items = [Encoded(x.tolist(), [-1] * len(x), 0) for x in ids]
-    alone = {k: m for k, m in iter_maps(build("alti", MEASURES), model, items, 0, progress=False)}
+    engine = MapEngine(model, build("alti", MEASURES), pad_id=0)
+    alone = {k: m for k, m in engine.iter_piece_maps(items, progress=False)}
     for k, x in enumerate(ids):
         one = _measure("alti", model, {"input_ids": x[None], "attention_mask": torch.ones_like(x)[None]})[0]
         torch.testing.assert_close(alone[k], one)
@@ -303,8 +304,9 @@ def test_extract_and_dep_heads_with_kind(family, kind, tmp_path):
     assert wids[0] is None and wids[-1] is None  # first and last special: W = words + 2 rows
     x = torch.tensor(ids)
     # the decomposition's parts are found in every family: post-LN blocks everywhere but ModernBERT (pre-LN)
-    assert [p.post_ln for p in hooks.layer_parts(hooks.prepare(enc.model.eval()))] == [family != "modernbert"] * 2
-    piece = _measure(kind, hooks.prepare(enc.model.eval()), {"input_ids": x[None],
+    parts = structure.layer_parts(attention_function.prepare(enc.model.eval()))
+    assert [p.post_ln for p in parts] == [family != "modernbert"] * 2
+    piece = _measure(kind, attention_function.prepare(enc.model.eval()), {"input_ids": x[None],
                                                              "attention_mask": torch.ones_like(x)[None]})[0]
     want = pool_by_loops(piece.float().numpy(), word_groups(wids, len(words)))  # rows mean, columns sum, by loops
     np.testing.assert_allclose(np.asarray(cache[1], dtype=np.float32), want, atol=2e-3, rtol=2e-3)
@@ -348,8 +350,8 @@ def _random_augmented(L: int, n: int, seed: int) -> np.ndarray:
 
 
 def test_flow_capacities_precise_to_1e9():
-    """The default integer scale (1e9) gives flows within 1e-8 of networkx's float max-flow; the earlier 1e6
-    scale did not (the check can fail)."""
+    """The default integer scale (1e9) gives flows within 1e-8 of networkx's float max-flow; a 1e6
+    scale does not (the check can fail)."""
     aug = _random_augmented(3, 7, seed=0)
     ref = ref_flow(aug)  # float64 capacities, networkx Edmonds-Karp
     np.testing.assert_allclose(flow_maps(aug), ref, atol=1e-8, rtol=0)

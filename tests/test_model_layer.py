@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, RobertaConfig
 
-from probes.model import hooks
+from probes.model import hooks, structure
 from probes.model.families import usable_max_length
 from probes.model.inputs import encode_words, length_batches, pad, pad_encoded
 from probes.model.load import MissingHeadError, load_encoder, load_packaged, tiny_bert
+from probes.model.prefix_cache import PrefixCache
 from probes.model.tiny import tiny_encoder, tiny_folder
 
 SENTS = [["The", "unbelievably", "quick", "fox", "."], ["A", "dog", "barked", "at", "the", "red", "cat", "!"], ["Hi"]]
@@ -98,35 +99,26 @@ def test_block_function_equals_hidden_states(enc):
     with torch.no_grad():
         hs = enc.model(**batch, output_hidden_states=True).hidden_states
         for l in range(3):
-            torch.testing.assert_close(hooks.block_function(enc.model, l, **batch)(hs[l]), hs[l + 1])
+            torch.testing.assert_close(structure.block_function(enc.model, l, **batch)(hs[l]), hs[l + 1])
 
 
 def test_prefix_cache_reuse_is_exact(enc):
     batch = _batch(enc)
     with torch.no_grad():
-        plain, outs = hooks.PrefixCache.record(enc.model, batch)
+        plain, outs = PrefixCache.record(enc.model, batch)
         for first in range(3):
             with hooks.attention(enc.model, [], uniform={first: [0]}):
                 full = enc.model(**batch).last_hidden_state
-                with hooks.PrefixCache.reuse(enc.model, outs, first):
+                with PrefixCache.reuse(enc.model, outs, first):
                     fast = enc.model(**batch).last_hidden_state
             torch.testing.assert_close(fast, full)
         torch.testing.assert_close(enc.model(**batch).last_hidden_state, plain.last_hidden_state)  # restored
 
 
-def test_iter_attention_equals_each_sequence_alone(enc):
-    items = encode_words(enc.tokenizer, SENTS)
-    got = dict(hooks.iter_attention(enc.model, items, enc.tokenizer.pad_token_id, max_tokens=64, progress=False))
-    for k, e in enumerate(items):
-        with torch.no_grad(), hooks.attention(enc.model) as s:
-            s.run(**pad_encoded([e], enc.tokenizer.pad_token_id))
-        torch.testing.assert_close(got[k], s.attentions()[0], atol=1e-6, rtol=0)
-
-
 def test_model_inputs_drop_what_the_model_does_not_take():
     d = tiny_encoder("distilbert")
     ids = torch.tensor([[1, 2, 3]])
-    kept = hooks.model_inputs(d.model, input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=None)
+    kept = structure.model_inputs(d.model, input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=None)
     assert set(kept) == {"input_ids"}
 
 
@@ -188,7 +180,7 @@ def test_finetuned_encoder_plus_head_loads_with_its_logits(family, pooling, tmp_
     batch = _batch(enc)
     with torch.no_grad():
         want = module(**batch)
-        got = ft.model(**hooks.model_inputs(ft.model, **batch)).logits
+        got = ft.model(**structure.model_inputs(ft.model, **batch)).logits
         with hooks.attention(ft.model, uniform={0: [1]}) as s:  # interventions reach it too
             changed = s.run(**batch).logits
     torch.testing.assert_close(got, want)

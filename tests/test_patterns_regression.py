@@ -1,4 +1,4 @@
-"""No silent regression of the released pattern CNN (issue 25, item 7).
+"""No silent regression of the released pattern CNN.
 
 A cheap cross-validation of the recipe that ``python train.py experiment=patterns`` releases (the config as it
 stands, no overrides) on the real hand-labelled maps: a fixed subset of the same stratified 5-fold split (seed 0)

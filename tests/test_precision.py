@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from probes.extract import precision as P
-from probes.extract import stage
 from probes.model.inputs import encode_words
 from probes.model.load import tiny_bert
 
@@ -92,7 +91,7 @@ def test_record_for_the_run_folder(tmp_path, monkeypatch):
 def test_cpu_timer_runs_one_thread_and_restores_the_thread_count():
     enc = tiny_bert()
     encoded = encode_words(enc.tokenizer, [["the", "cat", "saw", "a", "dog"]] * 20)
-    f = stage.precision_timer(enc, encoded, "cpu", tokens=64)
+    f = P.precision_timer(enc, encoded, "cpu", tokens=64)
     seen = []
     handle = enc.model.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()

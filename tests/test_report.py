@@ -39,7 +39,7 @@ def _sweep_runs(base: Path):
 def runs(tmp_path_factory):
     """Two Table 3 rows x two tiny encoders (one multirun); head_stats on a synthetic treebank in a folder named
     like EWT's (``analysis``), on one's own CoNLL-U file (``analysis_chain``) and a copy of the first without
-    its provenance, as older code left it (``analysis_noprov``)."""
+    its provenance file (``analysis_noprov``)."""
     t = tmp_path_factory.mktemp("report")
     (t / "data" / "chain").mkdir(parents=True)
     for split, n, seed in (("train", 60, 0), ("dev", 20, 1), ("test", 20, 2)):
@@ -112,7 +112,7 @@ def _hand_run(folder: Path, finished: float, layer_means: tuple[float, float], i
               kind: str = "analysis") -> Path:
     """A finished run folder as the entry points leave it: ``.hydra/`` whose config names EWT
     (``data=ewt``, ``data.name=ud_english_ewt``) whatever was read, the outputs, ``provenance.json`` with
-    ``inputs`` (None: no provenance file, as from older code); its output written at ``finished``."""
+    ``inputs`` (None: no provenance file); its output written at ``finished``."""
     (folder / ".hydra").mkdir(parents=True)
     choices = dict(encoder="tiny", data="ewt")
     cfg = dict(encoder={"_target_": "probes.model.load.tiny_bert"}, data=dict(name="ud_english_ewt"))

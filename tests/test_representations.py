@@ -131,4 +131,4 @@ def test_extract_settings_name_missing_and_unknown_keys():
                                          pooling="mean"))
     s = ExtractSettings.from_config(EXTRACT)
     assert ExtractSettings.from_config(s) is s and s.replace(maps="rollout").map_key()["maps"]["kind"] == "rollout"
-    assert s.map_key() == {}  # attention: the key as before map kinds existed
+    assert s.map_key() == {"maps": {"kind": "attention", "_target_": "probes.measures.attention.Attention"}}

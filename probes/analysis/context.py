@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ import wandb
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from probes.config import CONF_DIR, check_types, compose
+from probes.config import CONF_DIR, check_types, compose, plain
 from probes.data.sources import Treebank
 from probes.extract.run import ensure_cache
 from probes.extract.settings import ExtractSettings
@@ -44,18 +43,12 @@ from probes.measures import build, from_config
 from probes.model.load import Encoder
 from probes.report.provenance import write_provenance
 from probes.report.tracking import analysis_inputs, init_run
+from probes.stats import seed_everything
 
 log = logging.getLogger(__name__)
 
 # Tables larger than this are written as CSV but not uploaded to wandb as a Table.
 WANDB_TABLE_MAX_ROWS = 50_000
-
-
-def _to_plain(cfg: DictConfig) -> dict:
-    try:
-        return OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # e.g. ${hydra:...} outside a Hydra app
-        return OmegaConf.to_container(cfg, resolve=False)
 
 
 def resolve_device(want: str | None) -> str:
@@ -174,8 +167,12 @@ class AnalysisContext:
             return None
         if self._wandb_run is None:
             lc = self.cfg.logger
+            try:
+                config = plain(self.cfg)
+            except Exception:  # e.g. ${hydra:...} outside a Hydra app
+                config = plain(self.cfg, resolve=False)
             self._wandb_run = init_run(
-                _to_plain(self.cfg), project=lc.get("project", "probes"), mode=lc.get("mode", "offline"),
+                config, project=lc.get("project", "probes"), mode=lc.get("mode", "offline"),
                 job_type=self.name, task_name=str(self.cfg.get("task_name") or "analyze"),
                 dir=self.output_dir, tags=list(lc.get("tags") or []), group=lc.get("group"), name=lc.get("name"))
         return self._wandb_run
@@ -298,13 +295,6 @@ def _jsonable(v):
     if isinstance(v, np.ndarray):
         return v.tolist()
     return v
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's and torch's generators."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 @dataclass

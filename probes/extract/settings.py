@@ -17,7 +17,8 @@ import pytorch_lightning as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from probes.extract import precision as P
+from probes.config import plain
+from probes.extract.precision import Precision, check_precision, record, resolve_precision
 from probes.measures import Measure, build
 
 
@@ -34,7 +35,7 @@ class ExtractSettings:
     max_length: int | None  # wordpieces incl. specials; None: the encoder's usable length
     long_sentences: str  # skip | error
     layers: list[int] | None  # 0-based layers to extract (None: all); part of the key when set
-    precision: P.Precision  # a Lightning precision, or auto (measured, :mod:`probes.extract.precision`)
+    precision: Precision  # a Lightning precision, or auto (measured, :mod:`probes.extract.precision`)
     precision_margin: float  # auto: the speed-up over 32-true another precision needs to be chosen
     maps: str  # the map kind, one of ``measures``
     measures: Mapping[str, Mapping[str, Any]]  # {kind: {_target_: ..., options}}
@@ -53,14 +54,14 @@ class ExtractSettings:
             return node
         if not isinstance(node, DictConfig):
             node = OmegaConf.create(dict(node))
-        plain = OmegaConf.to_container(node, resolve=True)
+        values = plain(node)
         names = [f.name for f in dataclasses.fields(cls)]
-        missing, unknown = [n for n in names if n not in plain], sorted(set(plain) - set(names))
+        missing, unknown = [n for n in names if n not in values], sorted(set(values) - set(names))
         if missing or unknown:
             raise ValueError(f"extract settings: missing keys {missing}, unknown keys {unknown} "
                              f"(conf/extract/default.yaml lists every key: {', '.join(names)})")
-        P.check_precision(plain["precision"])  # before any model is loaded or child process started
-        return cls(**{n: plain[n] for n in names})
+        check_precision(values["precision"])  # before any model is loaded or child process started
+        return cls(**{n: values[n] for n in names})
 
     def replace(self, **changes) -> ExtractSettings:
         """A copy with ``changes`` (e.g. ``max_length`` and ``long_sentences`` for sentences made to fit)."""
@@ -75,13 +76,13 @@ class ExtractSettings:
                           cache_dir: str | Path | None = None, lookup_only: bool = False) -> str | None:
         """The precision to extract with (:func:`probes.extract.precision.resolve_precision`: ``auto`` is
         measured on ``sentences``, or only looked up with ``lookup_only``, then None when not measured yet)."""
-        return P.resolve_precision(self.precision, self.accelerator, encoder, sentences=sentences,
-                                   cache_dir=cache_dir, lookup_only=lookup_only, margin=self.precision_margin)
+        return resolve_precision(self.precision, self.accelerator, encoder, sentences=sentences,
+                                 cache_dir=cache_dir, lookup_only=lookup_only, margin=self.precision_margin)
 
     def precision_record(self, encoder=None, cache_dir: str | Path | None = None) -> dict:
         """What a run folder records about the precision (:func:`probes.extract.precision.record`: requested,
         resolved, how it was decided, the measurement's timings and margin); measures and loads nothing."""
-        return P.record(self.precision, self.accelerator, encoder, cache_dir, margin=self.precision_margin)
+        return record(self.precision, self.accelerator, encoder, cache_dir, margin=self.precision_margin)
 
     def make_trainer(self, precision: str) -> Callable[..., pl.Trainer]:
         """A partial Trainer constructor (``trainer`` node at ``precision``); the stage adds its callbacks."""
@@ -106,16 +107,12 @@ class ExtractSettings:
         return layers
 
     def layer_key(self, encoder) -> dict:
-        """The layers' part of a cache key: ``{}`` for all layers (the key as before this option existed),
-        else ``{"layers": [...]}``."""
-        layers = self.layers_for(encoder)
-        return {} if layers == list(range(int(encoder.num_layers))) else {"layers": layers}
+        """The layers' part of a cache key: ``{"layers": [...]}``, the stored layers in order (:meth:`layers_for`;
+        ``layers=None`` and the list of every layer give the same key)."""
+        return {"layers": self.layers_for(encoder)}
 
     def map_key(self) -> dict:
-        """The map kind's part of a cache key: ``{}`` for attention (the key it had before map kinds existed),
-        else ``{"maps": {"kind": kind, **its measure node}}``."""
-        if self.maps == "attention":
-            return {}
+        """The map kind's part of a cache key: ``{"maps": {"kind": kind, **its measure node}}``."""
         if self.maps not in self.measures:
             raise KeyError(f"extract.maps={self.maps!r} is not one of extract.measures: {', '.join(self.measures)}")
         return {"maps": dict(kind=self.maps, **self.measures[self.maps])}

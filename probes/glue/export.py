@@ -28,9 +28,10 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from probes.data.glue import task_spec
 from probes.glue.module import SequenceClassifier, pool
-from probes.model import hooks
+from probes.model.attention_function import IMPLEMENTATION, register
 from probes.model.families import is_causal
 from probes.model.load import WEIGHTS_DTYPE, Encoder, freeze, load_tokenizer
+from probes.model.structure import model_inputs
 from probes.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class EncoderWithHead(torch.nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None):
         """(B, T) inputs -> output with ``.logits`` (B, num_labels)."""
-        out = self.encoder(**hooks.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
+        out = self.encoder(**model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
                                                 token_type_ids=token_type_ids, inputs_embeds=inputs_embeds))
         pooled = pool(out, self.pooling, attention_mask)  # (B, D)
         return SequenceClassifierOutput(logits=self.head(pooled))
@@ -197,18 +198,18 @@ class EncoderWithHead(torch.nn.Module):
 
 def _load_classifier(folder: Path):
     """(model, tokenizer) of a saved folder: a *ForSequenceClassification, or an encoder + ``head.pt``."""
-    hooks.register()
+    register()
     cfg = AutoConfig.from_pretrained(str(folder))
     archs = cfg.architectures or []
     if any("SequenceClassification" in a for a in archs):
-        model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION,
+        model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation=IMPLEMENTATION,
                                                                    dtype=WEIGHTS_DTYPE)
     elif (folder / "head.pt").exists():
         state = load_checkpoint(folder / "head.pt", map_location="cpu", mmap=False)
         head = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
         head.load_state_dict(state)
-        encoder = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
+        encoder = AutoModel.from_pretrained(str(folder), attn_implementation=IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
         model = EncoderWithHead(encoder, head, export_info(folder).get("pooling", "cls"))
     else:
-        model = AutoModel.from_pretrained(str(folder), attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
+        model = AutoModel.from_pretrained(str(folder), attn_implementation=IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
     return model, load_tokenizer(str(folder), causal=is_causal(cfg))

@@ -48,7 +48,7 @@ from torch import nn
 
 from probes.data.glue import task_spec
 from probes.glue.metrics import predictions, task_metrics
-from probes.model import hooks
+from probes.model import structure
 from probes.model.layers import parameter_layers
 from probes.training.module import SPLITS, ProbeModule
 
@@ -159,7 +159,7 @@ class SequenceClassifier(ProbeModule):
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_) -> torch.Tensor:
         """(B, T) ids, mask and token types (dropped for families without them) -> (B, num_labels) logits."""
-        out = self.encoder(**hooks.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
+        out = self.encoder(**structure.model_inputs(self.encoder, input_ids=input_ids, attention_mask=attention_mask,
                                                 token_type_ids=token_type_ids))
         return self.head(self.dropout(pool(out, self.pooling, attention_mask)))
 

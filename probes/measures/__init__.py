@@ -1,11 +1,11 @@
-"""Token-to-token maps beyond attention weights (issue 12): one measure object per map kind.
+"""Token-to-token maps beyond attention weights: one measure object per map kind.
 
 Every measure is called as ``measure(model, input_ids, attention_mask)`` on a right-padded batch and
 returns one tensor per layer, ``L x (B, H', T, T)`` (float32; attention: the compute dtype), with
 rows = the receiving position i and columns = the contributing position j (like attention: "i attends to j"); H' = the model's heads for
 per-head measures (``per_head = True``), 1 for per-layer ones. Positions beyond a sentence's length
 are zero or arbitrary and are cropped by the caller, so a sentence's block equals running it alone.
-All model access goes through :mod:`probes.model.hooks`.
+All model access goes through :mod:`probes.model.hooks` and :mod:`probes.model.structure`.
 
 Kinds (``extract.maps=<kind>``; objects from ``extract.measures.<kind>`` in conf/extract/default.yaml):
 ``attention``, ``rollout``, ``flow`` (:mod:`.rollout`), ``norm``, ``norm_res_ln``, ``alti``
@@ -14,13 +14,10 @@ Kinds (``extract.maps=<kind>``; objects from ``extract.measures.<kind>`` in conf
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from hydra.utils import instantiate
-from tqdm import tqdm
-
-from probes.model.inputs import length_batches, pad_encoded
 
 
 class Measure:
@@ -28,6 +25,9 @@ class Measure:
 
     per_head: bool = True
     max_pieces: int | None = None  # longest sequence (special tokens included) the measure accepts; None: any
+    # whether the maps come from the model held in a mixed precision's compute dtype
+    # (probes.model.frozen.compute_in); False: the measure reads the weights itself, as loaded
+    mixed_precision: bool = False
 
     def heads(self, num_heads: int) -> int:
         """H' of the maps: the model's heads for per-head measures, else 1."""
@@ -36,6 +36,22 @@ class Measure:
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
                  ) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def layer_maps(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   layers: Sequence[int], token_type_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The maps of ``layers`` (0-based, in that order): ``len(layers) x (B, H', T, T)``. Computes every layer
+        and keeps those asked for (rollout and the other joint kinds need them all); a measure that can stop
+        early overrides it.
+
+        Args:
+            model: The frozen model.
+            input_ids, attention_mask: (B, T), right-padded.
+            layers: 0-based layers.
+            token_type_ids: (B, T) segments of sentence pairs (BERT-style), read by measures that override this
+                method (attention); the others run without them.
+        """
+        maps = self(model, input_ids, attention_mask)  # L x (B, H', T, T)
+        return [maps[l] for l in layers]
 
 
 def build(maps: str, measures: Mapping | None) -> Measure:
@@ -80,21 +96,3 @@ def joint_maps(maps: torch.Tensor) -> torch.Tensor:
     for l in range(1, maps.shape[0]):
         out.append(maps[l] @ out[-1])
     return torch.stack(out)
-
-
-@torch.inference_mode()
-def iter_maps(measure: Measure, model: torch.nn.Module, items, pad_id: int, device: str = "cpu",
-              max_tokens: int = 4096, max_batch_size: int = 64, desc: str = "maps", progress: bool = True):
-    """Yield ``(k, (L, H', T_k, T_k) float32 piece maps)`` of every :class:`~probes.model.inputs.Encoded`
-    ``items[k]`` (length batches, in batch order): :func:`probes.model.hooks.iter_attention` for any kind."""
-    model = model.to(device)
-    batches = length_batches([it.n_pieces for it in items], max_tokens, max_batch_size)
-    with tqdm(total=len(items), desc=desc, unit="seq", disable=None if progress else True) as bar:
-        for batch in batches:
-            its = [items[b] for b in batch]
-            inp = {k: v.to(device) for k, v in pad_encoded(its, pad_id).items()}
-            maps = torch.stack(measure(model, inp["input_ids"], inp["attention_mask"]), dim=1)  # (B, L, H', T, T)
-            for j, (k, it) in enumerate(zip(batch, its)):
-                t = it.n_pieces
-                yield k, maps[j, :, :, :t, :t]
-            bar.update(len(its))

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from probes.measures import Measure
-from probes.model import hooks
+from probes.model import hooks, structure
 
 
 class Attention(Measure):
-    """alpha^{l,h}_{ij}: softmax attention of every head, (B, H, T, T) per layer; the forward stops after the
-    last layer's attention."""
+    """alpha^{l,h}_{ij}: softmax attention of every head, (B, H, T, T) per layer, in the compute dtype; only the
+    layers asked for are captured and the forward stops after the last of them (the last layer's output projection
+    and feed-forward block, which no map depends on, are never computed)."""
 
     per_head = True
+    mixed_precision = True  # the frozen model held in a mixed precision's compute dtype (no autocast casts)
 
     def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
-        L = len(hooks.attention_sites(model))
-        with hooks.attention(model, layers=range(L), stop=True) as s:
-            s.run(input_ids=input_ids, attention_mask=attention_mask)
-            return [s.probs[l] for l in range(L)]
+        return self.layer_maps(model, input_ids, attention_mask, range(len(structure.attention_sites(model))))
+
+    def layer_maps(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[int],
+                   token_type_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """``len(layers) x (B, H, T, T)``: the probabilities of ``layers`` (0-based, in that order); token_type_ids
+        (B, T): the segments of sentence pairs, for models that take them."""
+        layers = list(layers)
+        with hooks.attention(model, layers=layers, stop=True) as s:
+            s.run(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return [s.probs[l] for l in layers]

@@ -7,7 +7,7 @@ Everything here takes plain tensors / any encoder of a supported family (BERT, D
 DeBERTa-v2, ...; base or task model) and one sentence at a time (no padding, so a sentence's numbers
 never depend on what it is batched with). The model is reached only through the model-access layer
 (:mod:`probes.model.hooks`): attention maps from an attention session, per-layer functions from
-:func:`~probes.model.hooks.block_function`, head outputs from a session with ``values=True``.
+:func:`~probes.model.structure.block_function`, head outputs from a session with ``values=True``.
 
 Gradient flow (:func:`gradient_flow`)
 -------------------------------------
@@ -26,7 +26,7 @@ axis=-1)``, the 2-norm over the hidden units of each input token. (His code runs
 ``train()`` mode, i.e. with dropout; we use the frozen model in eval mode, deterministic.)
 
 All output positions at once: the gradients of the ``T`` scalars are the vector-Jacobian products of
-the block function (``hooks.block_function``: block ``n``'s output as a function of its input hidden
+the block function (``structure.block_function``: block ``n``'s output as a function of its input hidden
 states) with the ``T`` cotangents ``e_t2 (x) 1_D``; ``torch.func.vjp`` linearises the block once and
 ``torch.func.vmap`` applies the VJP to all cotangents in one batched backward pass. ``G*`` chains the
 same per-layer VJP functions down to ``h_0`` (``n`` batched passes for layer ``n``), so a sentence
@@ -77,7 +77,7 @@ from collections.abc import Callable
 import torch
 from torch.func import vjp, vmap
 
-from probes.model import hooks
+from probes.model import hooks, structure
 
 
 def _inputs(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -106,7 +106,7 @@ def block_functions(model: torch.nn.Module, input_ids: torch.Tensor) -> list[Cal
     inputs = _inputs(input_ids)
     fns = []
     for n in range(num_layers(model)):
-        f = hooks.block_function(model, n, **inputs)  # (1, T, D) -> (1, T, D)
+        f = structure.block_function(model, n, **inputs)  # (1, T, D) -> (1, T, D)
         fns.append(lambda x, f=f: f(x.unsqueeze(0)).squeeze(0))
     return fns
 

@@ -17,7 +17,7 @@ import torch
 
 from probes.measures import Measure, per_sentence
 from probes.measures.gradflow import head_attributions, ig_baseline
-from probes.model import hooks
+from probes.model import structure
 
 
 class GradAttribution(Measure):
@@ -31,7 +31,7 @@ class GradAttribution(Measure):
         self.method, self.ig_steps, self.chunk_size = method, int(ig_steps), chunk_size
 
     def __call__(self, model, input_ids, attention_mask):
-        L = len(hooks.attention_sites(model))
+        L = len(structure.attention_sites(model))
         H = int(model.config.num_attention_heads)
 
         def one(ids: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Per layer, with the head values ``v^h_j`` (B, H, T, d; value projection with its bias, from
 ``hooks.attention(values=True)``) and the output projection ``W_O`` (D, H*d) of the layer
-(:func:`probes.model.hooks.layer_parts`), the transformed vectors are ``f^h(x_j) = v^h_j W_O^h``
+(:func:`probes.model.structure.layer_parts`), the transformed vectors are ``f^h(x_j) = v^h_j W_O^h``
 (D,; the output bias left out) and the attention sub-layer output before the residual is
 ``z_i = sum_j sum_h alpha^h_ij f^h(x_j) + b_O``.
 
@@ -19,7 +19,7 @@ Per layer, with the head values ``v^h_j`` (B, H, T, d; value projection with its
   output before the residual (Gemma 2/3, OLMo 2: ``x + norm(z)``, ``norm(z) = g * z / rms(z)``) are linear in
   the sources once the actual ``rms(z_i)`` is fixed, as LayerNorm's scale above:
   ``T_i(x_j) = g * sum_h alpha^h_ij f^h(x_j) / rms(z_i) + [i = j] x_i``. Parallel-residual blocks
-  (GPT-NeoX) have no such decomposition here (a clear error from :func:`probes.model.hooks.layer_parts`).
+  (GPT-NeoX) have no such decomposition here (a clear error from :func:`probes.model.structure.layer_parts`).
 * ``alti`` (Ferrando et al. 2022, *Measuring the Mixing of Contextual Information in the Transformer*;
   reference: ``get_contributions`` + ``normalize_contributions(scaling="min_sum", resultant_norm=...)`` +
   ``compute_joint_attention`` in github.com/mt-upc/transformer-contributions), per layer: with the same
@@ -38,13 +38,13 @@ from __future__ import annotations
 import torch
 
 from probes.measures import Measure, joint_maps
-from probes.model import hooks
+from probes.model import hooks, structure
 
 
 def transformed(value: torch.Tensor, proj: torch.nn.Module) -> torch.Tensor:
     """f^h(x_j) = v^h_j W_O^h: value (B, H, T, d), proj Linear (D, H*d) -> (B, H, T, D)."""
     B, H, T, d = value.shape
-    W = hooks.projection_weight(proj).float()  # (D, H*d)
+    W = structure.projection_weight(proj).float()  # (D, H*d)
     if W.shape[1] != H * d:
         raise ValueError(f"output projection takes {W.shape[1]} inputs, expected H*d = {H * d}")
     return torch.einsum("bhtk,ehk->bhte", value.float(), W.view(W.shape[0], H, d))
@@ -52,7 +52,7 @@ def transformed(value: torch.Tensor, proj: torch.nn.Module) -> torch.Tensor:
 
 def capture(model, input_ids, attention_mask) -> hooks.Session:
     """One forward with probabilities, values and block internals of every layer."""
-    L = len(hooks.attention_sites(model))
+    L = len(structure.attention_sites(model))
     with hooks.attention(model, layers=range(L), values=True, internals=True, stop_block=L - 1) as s:
         s.run(input_ids=input_ids, attention_mask=attention_mask)
     return s
@@ -66,14 +66,14 @@ def decomposed(s: hooks.Session, l: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = s.block_input[l].float()  # (B, T, D)
     if part.sub_norm:  # x + g * z / rms(z), z = the projection's output (the norm's input)
         z = s.norm_input[l].float()  # (B, T, D)
-        inv = (z.pow(2).mean(-1) + hooks.norm_eps(part.norm)).rsqrt()  # (B, T)
+        inv = (z.pow(2).mean(-1) + structure.norm_eps(part.norm)).rsqrt()  # (B, T)
         S = S * inv[:, :, None, None] * part.gain.float()
     idx = torch.arange(S.shape[1], device=S.device)
     S[:, idx, idx] += x
     if not part.post_ln:
         return S, s.residual_sum[l].float()
     r = s.residual_sum[l].float()  # (B, T, D) the LayerNorm's input
-    scale = (r.var(-1, unbiased=False) + hooks.norm_eps(part.norm)).rsqrt()  # (B, T)
+    scale = (r.var(-1, unbiased=False) + structure.norm_eps(part.norm)).rsqrt()  # (B, T)
     gamma = part.norm.weight.float()  # (D,)
     Tv = (S - S.mean(-1, keepdim=True)) * scale[:, :, None, None] * gamma
     return Tv, s.norm_output[l].float()
@@ -85,10 +85,10 @@ class Norm(Measure):
     per_head = True
 
     def __call__(self, model, input_ids, attention_mask):
-        L = len(hooks.attention_sites(model))
+        L = len(structure.attention_sites(model))
         with hooks.attention(model, layers=range(L), values=True, stop=True) as s:
             s.run(input_ids=input_ids, attention_mask=attention_mask)
-        projs = hooks.output_projections(model)
+        projs = structure.output_projections(model)
         out = []
         for l in range(L):
             fnorm = transformed(s.value[l], projs[l]).norm(dim=-1)  # (B, H, T)

@@ -18,7 +18,7 @@ import torch
 from probes.measures import Measure, per_sentence, sentence_rows
 from probes.measures.gradflow import (attribution_distribution, ig_baseline, input_x_gradient, integrated_gradients,
                                       layer_head_scalars_fn, num_layers, word_embeddings)
-from probes.model import hooks
+from probes.model import structure
 
 METHODS = ("ixg", "ig")
 
@@ -43,7 +43,7 @@ def logit_attributions(model: torch.nn.Module, input_ids: torch.Tensor, target: 
             pts = (base + a[:, None, None] * (x - base)).requires_grad_(True)  # (S, T, E)
             S = pts.shape[0]
             tt = None if token_type_ids is None else token_type_ids.reshape(1, T).expand(S, T)
-            inp = hooks.model_inputs(model, inputs_embeds=pts, attention_mask=torch.ones(S, T, dtype=torch.long,
+            inp = structure.model_inputs(model, inputs_embeds=pts, attention_mask=torch.ones(S, T, dtype=torch.long,
                                                                                         device=x.device),
                                      token_type_ids=tt)
             logits = model(**inp).logits  # (S, C)
@@ -65,7 +65,7 @@ class HeadAttributionRows(Measure):
         self.method, self.ig_steps, self.chunk_size = method, int(ig_steps), chunk_size
 
     def __call__(self, model, input_ids, attention_mask):
-        L = len(hooks.attention_sites(model))
+        L = len(structure.attention_sites(model))
         H = int(model.config.num_attention_heads)
 
         def one(ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from probes.measures import Measure, joint_maps, lengths
-from probes.model import hooks
+from probes.model import hooks, structure
 from probes.model.families import is_causal
 
 
@@ -31,7 +31,7 @@ class ValueZeroing(Measure):
         self.rollout, self.chunk = bool(rollout), int(chunk)
 
     def __call__(self, model, input_ids, attention_mask):
-        L = len(hooks.attention_sites(model))
+        L = len(structure.attention_sites(model))
         with hooks.attention(model, layers=[], block_io=True, stop_block=L - 1) as s:
             s.run(input_ids=input_ids, attention_mask=attention_mask)
         x = [s.block_input[l] for l in range(L)]  # L x (B, T, D) original block inputs (model dtype)

@@ -1,4 +1,5 @@
-"""A frozen model held in a low-precision dtype for inference, weights and activations alike (no casts).
+"""A frozen model held in a low-precision dtype for inference, weights and activations alike (no casts), and the
+compute dtypes of a Lightning precision (:func:`compute_in`).
 
 ``with held_in(model, torch.bfloat16): ...`` casts every floating parameter and buffer of ``model`` to
 bf16 in place (the same ``Parameter`` objects; their float32 data is put back on exit, bit for bit), so
@@ -115,3 +116,49 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
                 m._parameters[name].data = data
             else:
                 m._buffers[name] = data
+
+
+# ----------------------------------------------------------------------------- compute dtypes of a precision
+LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # autocast's compute dtype
+HELD = {"bf16-mixed": torch.bfloat16}  # mixed precisions whose attention extraction holds the whole model in it
+
+
+@contextmanager
+def linears_in(model: nn.Module, precision: str) -> Iterator[None]:
+    """Inside the block, every ``nn.Linear``'s weight and bias are held in the compute dtype of a mixed
+    ``precision`` (``bf16-mixed``, ``16-mixed``; other precisions: nothing changes); restored after.
+
+    Autocast casts a float32 weight to the compute dtype at every call (its cast cache only keeps leaves
+    that require grad); a weight already in that dtype is used as it is, so the results are bit-identical
+    while each weight is cast once per extraction instead of once per batch and layer."""
+    dtype = LOW_PRECISION.get(str(precision))
+    saved = []  # (module, fp32 weight, fp32 bias)
+    if dtype is not None:
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32:
+                saved.append((m, m.weight, m.bias))
+                m.weight = nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+                if m.bias is not None:
+                    m.bias = nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+    try:
+        yield
+    finally:
+        for m, w, b in saved:
+            m.weight, m.bias = w, b
+
+
+@contextmanager
+def compute_in(model: nn.Module, precision: str) -> Iterator[torch.dtype]:
+    """The frozen attention forward's dtypes under a Lightning ``precision``; yields the dtype to pool words in.
+
+    bf16-mixed: the whole model held in bf16 (:func:`held_in`: no casts; oneDNN packed linear layers on a CPU,
+    BERT-style encoders on packed rows, :mod:`probes.model.packed`) and words pooled in bf16 (matmuls accumulate
+    in float32); 16-mixed: the linear layers' weights in float16 (:func:`linears_in`); others: nothing changes.
+    Pooling in float32 unless held."""
+    dtype = HELD.get(str(precision))
+    if dtype is None:
+        with linears_in(model, precision):
+            yield torch.float32
+    else:
+        with held_in(model, dtype):
+            yield dtype

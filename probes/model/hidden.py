@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from probes.model.hooks import model_inputs
+from probes.model.structure import model_inputs
 
 
 def layer_list(num_layers: int, layers: Iterable[int] | None, model_name: str = "the model") -> list[int]:

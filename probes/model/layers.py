@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from probes.model import hooks
+from probes.model.attention_function import prepare
+from probes.model.structure import blocks, model_inputs
 
 
 @torch.no_grad()
@@ -26,7 +27,7 @@ def parameter_layers(model: nn.Module) -> dict[str, int]:
     modules that never run as a module (e.g. DeBERTa's relative-position table, read as ``.weight``)
     are 0, or L + 1 inside a pooler; a module run between blocks but outside them is 0."""
     L = int(model.config.num_hidden_layers)
-    mods = hooks.blocks(model)
+    mods = blocks(model)
     calls_per = L // len(mods)
     layer_of: dict[int, int] = {}   # id(parameter) -> layer
     for g, block in enumerate(mods):
@@ -38,11 +39,11 @@ def parameter_layers(model: nn.Module) -> dict[str, int]:
     modes = {m: m.training for m in model.modules()}
     handles = [m.register_forward_pre_hook(lambda m, a: order.append(m)) for m in model.modules()]
     try:
-        hooks.prepare(model)
+        prepare(model)
         model.eval()  # no dropout: the probe forward draws no random numbers (a training run stays the same)
         device = next(model.parameters()).device
         ids = torch.zeros(1, 3, dtype=torch.long, device=device)
-        model(**hooks.model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids)))
+        model(**model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids)))
     finally:
         for h in handles:
             h.remove()

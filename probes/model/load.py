@@ -5,7 +5,7 @@ Fine-tuned GLUE models (run folder, Hugging Face folder or Lightning checkpoint)
 :func:`probes.glue.export.load_finetuned`, beside the code that writes them.
 
 Every model comes frozen, in eval mode, on the project's attention path
-(``attn_implementation="probes"``, :mod:`probes.model.hooks`), which computes eager attention, with its
+(``attn_implementation="probes"``, :mod:`probes.model.attention_function`), which computes eager attention, with its
 weights in float32 whatever dtype the checkpoint stores (``WEIGHTS_DTYPE``; transformers would otherwise keep a
 float16 or bfloat16 checkpoint in that dtype and run ``extract.precision=32-true`` in half precision): the
 precision a run computes in is the one its settings and cache keys name.
@@ -35,12 +35,12 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer, BertConfig, BertTokenizerFast
 
-from probes.model import hooks
+from probes.model.attention_function import IMPLEMENTATION, prepare, register
 from probes.model.families import adds_bos, family, is_byte_level, is_causal, set_bos, set_padding
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_DTYPE = torch.float32  # every model's weights as loaded (compute dtypes: probes.extract.stage.compute_in)
+WEIGHTS_DTYPE = torch.float32  # every model's weights as loaded (compute dtypes: probes.model.frozen.compute_in)
 HEADS = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "causal_lm": "AutoModelForCausalLM",
          "sequence_classification": "AutoModelForSequenceClassification"}
 
@@ -84,9 +84,9 @@ class Encoder:
         return adds_bos(self.tokenizer)
 
     def key_fields(self) -> dict:
-        """What the cache key needs beyond name and weights: for a causal LM whether a BOS was added (it is a
-        row and column of its own); nothing for encoders (their keys stay as they were)."""
-        return dict(causal=True, bos=self.bos) if self.causal else {}
+        """What the cache key needs beyond name and weights: whether the model is causal and whether each
+        sequence starts with its BOS token (a row and column of its own)."""
+        return dict(causal=bool(self.causal), bos=bool(self.bos))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -123,10 +123,11 @@ class Encoder:
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` in eval mode, without gradients, on the project's attention path (:func:`hooks.prepare`)."""
+    """``model`` in eval mode, without gradients, on the project's attention path
+    (:func:`~probes.model.attention_function.prepare`)."""
     model.eval()
     model.requires_grad_(False)
-    return hooks.prepare(model)
+    return prepare(model)
 
 
 def file_digest(paths: Iterable[Path]) -> str:
@@ -237,7 +238,7 @@ def load_encoder(
         fingerprint = f"random-seed{seed}" + ("" if head == "base" else f"-{head}")
     else:
         def load():
-            model, info = cls.from_pretrained(src, attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE,
+            model, info = cls.from_pretrained(src, attn_implementation=IMPLEMENTATION, dtype=WEIGHTS_DTYPE,
                                               output_loading_info=True, **kwargs)
             _check_head(model, info, head, src)
             return model
@@ -387,8 +388,8 @@ def _hub_source(name: str, revision: str | None, local_files_only: bool) -> bool
 def _conventions(config, tokenizer, head: str, bos: bool | None, src: str):
     """The project's attention path in the config; a causal LM's BOS choice, pad token and cache off; a clear
     error for a head or option the model cannot have."""
-    hooks.register()
-    config._attn_implementation = hooks.IMPLEMENTATION
+    register()
+    config._attn_implementation = IMPLEMENTATION
     fam = family(config)
     if not fam.causal:
         if bos is not None:
@@ -407,7 +408,7 @@ def _conventions(config, tokenizer, head: str, bos: bool | None, src: str):
 def _random_loader(cls, config, seed: int) -> Callable[[], torch.nn.Module]:
     def load():
         torch.manual_seed(seed)
-        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
+        return cls.from_config(config, attn_implementation=IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
 
     return load
 
@@ -434,7 +435,7 @@ def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: boo
                        f"random-seed{seed}" + ("" if head == "base" else f"-{head}"), config, head)
 
     def load() -> torch.nn.Module:
-        model = cls.from_pretrained(folder, gguf_file=file, config=config, attn_implementation=hooks.IMPLEMENTATION,
+        model = cls.from_pretrained(folder, gguf_file=file, config=config, attn_implementation=IMPLEMENTATION,
                                     dtype=WEIGHTS_DTYPE)
         return model
 
@@ -498,16 +499,16 @@ def random_bert(
 
     vocab_dir = vocab_dir or packaged_minilm_path()
     tokenizer = BertTokenizerFast.from_pretrained(vocab_dir)
-    hooks.register()
+    register()
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                         num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
                         max_position_embeddings=max_position_embeddings)
-    config._attn_implementation = hooks.IMPLEMENTATION
+    config._attn_implementation = IMPLEMENTATION
     cls = _model_class(head)
 
     def build() -> torch.nn.Module:
         torch.manual_seed(seed)
-        return cls.from_config(config, attn_implementation=hooks.IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
+        return cls.from_config(config, attn_implementation=IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
 
     shape = json.dumps([num_hidden_layers, num_attention_heads, hidden_size, intermediate_size,
                         max_position_embeddings, tokenizer.vocab_size])

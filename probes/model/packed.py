@@ -8,8 +8,8 @@ structure, not per model name): an encoder whose ``layer`` is a list of post-LN 
 
 The hidden states of the real (unpadded) positions are kept as packed rows ``(N, D)`` through LayerNorm, the
 linear layers, GELU and the residual sums; only the attention itself (scores, mask, softmax, ``A @ V``) runs
-on the padded ``(B, H, T, d)`` layout, through :func:`probes.model.hooks.finish_attention`, so every session
-(capture, stop, interventions on the maps or values) works as on the generic path. Per layer:
+on the padded ``(B, H, T, d)`` layout, through :func:`probes.model.attention_function.finish_attention`, so
+every session (capture, stop, interventions on the maps or values) works as on the generic path. Per layer:
 
 * one oneDNN linear on the concatenated Q/K/V weights (``log2(e)/sqrt(d)`` folded into the query's weight and
   bias, in float32 before the cast: scores in base 2), its rows gathered to the padded positions and permuted
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-from probes.model import hooks
+from probes.model.attention_function import IMPLEMENTATION, finish_attention
 
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # log2(e), ln(2)
 Fp32 = Callable[[nn.Module, str], torch.Tensor]  # (module, parameter name) -> its float32 data
@@ -107,7 +107,7 @@ class PackedLayer:
         q, k, v = heads[0], heads[1], heads[2]  # (B, H, T, d) each; q scaled by log2(e) / sqrt(d)
         scores = torch.bmm(q.view(B * H, T, d), k.view(B * H, T, d).transpose(1, 2)).view(B, H, T, T)
         probs = softmax2_rows(scores, mask)  # (B, H, T, T)
-        out, _ = hooks.finish_attention(self.attn, probs, v, mask, heads_first=True)  # (B, H, T, d)
+        out, _ = finish_attention(self.attn, probs, v, mask, heads_first=True)  # (B, H, T, d)
         ctx = out.reshape(-1, d).index_select(0, rows.from_heads).view(-1, H * d)  # (N + 1, H d)
         a = torch.ops.mkldnn._linear_pointwise.binary(ctx, x, self.proj_w, self.proj_b, "add")  # proj + x (N + 1, D)
         a = _layer_norm(a, self.norm1)  # (N + 1, D)
@@ -202,7 +202,7 @@ def install(encoder: nn.Module, fp32: Fp32, dtype: torch.dtype, rows: int) -> Ca
                   and not any(a is not None for a in args) and kwargs.get("encoder_hidden_states") is None
                   and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
                   and not kwargs.get("use_cache") and not encoder.training and not torch.is_grad_enabled()
-                  and getattr(config, "_attn_implementation", hooks.IMPLEMENTATION) == hooks.IMPLEMENTATION
+                  and getattr(config, "_attn_implementation", IMPLEMENTATION) == IMPLEMENTATION
                   and not _observed(modules, encoder))
         index = _real_positions(attention_mask, B, T) if usable else None
         if index is None or not index.numel() or (attention_mask is not None

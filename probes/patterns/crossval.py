@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -45,6 +44,7 @@ from probes.config import compose as compose_config
 from probes.io import atomic_write, atomic_write_text
 from probes.patterns.datamodule import read_patterns, stratified_folds
 from probes.patterns.module import load_classifier
+from probes.stats import resamples, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +87,11 @@ def bootstrap(gold: np.ndarray, pred: np.ndarray, n_classes: int, n_boot: int = 
               min_support: int = 5) -> dict[str, np.ndarray]:
     """Percentile-bootstrap 95% intervals (resampling maps) of per-class F1, accuracy and both macro-F1s;
     the class set of the supported macro-F1 is fixed by the full sample."""
-    rng = np.random.default_rng(seed)
     full = confusion(gold, pred, n_classes)
     supported = full.sum(1) >= min_support
     n = len(gold)
     f1s, acc, macro, macro_s = [], [], [], []
-    for _ in range(n_boot):
-        i = rng.integers(0, n, n)
+    for (i,) in resamples(n, n_boot, np.random.default_rng(seed)):  # i: (n,)
         s = scores_from_confusion(confusion(gold[i], pred[i], n_classes), min_support)
         f1s.append(s["f1"])
         acc.append(s["accuracy"])
@@ -217,7 +215,7 @@ def cross_validate(cfg, out_dir: str | Path, folds: int = 5, repeats: int = 1, n
             if i not in chosen:
                 continue
             fold_dir = out / f"fold_{r}_{i}"
-            pl.seed_everything(seed, workers=True)
+            seed_everything(seed, workers=True)
             dm = instantiate(cfg.data, folds=folds, fold=i, seed=seed)
             model = instantiate(cfg.probe, report_dir=None)
             callbacks = [instantiate(c, **({"dirpath": str(fold_dir / "checkpoints")} if "dirpath" in c else {}))

@@ -3,7 +3,7 @@ and cache folders, and (training runs) the data files with their sha256 and the 
 (encoder and weights fingerprint, data sha256, precision). Written as ``provenance.json`` into the run folder.
 
 Training runs get it from the wandb logger (``conf/logger/wandb.yaml``), analyses from their context.
-:func:`read_provenance` also reads older run folders: ``provenance.json``, else the environment
+:func:`read_provenance` reads a run folder's ``provenance.json``, else the environment
 record of the run's offline wandb file (commit, host, CPU, arguments), else ``.hydra/``.
 """
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from probes.config import CONF_DIR
+from probes.config import CONF_DIR, plain
 from probes.report.provenance import read_provenance
 
 UNKNOWN = "unknown"  # a field the run's provenance does not record
@@ -198,7 +198,7 @@ def _choices(run_dir: Path) -> dict[str, Any]:
     hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
     if not hydra_yaml.exists():
         return {}
-    return dict(OmegaConf.to_container(OmegaConf.load(hydra_yaml).hydra.runtime.choices))
+    return plain(OmegaConf.load(hydra_yaml).hydra.runtime.choices, resolve=False)
 
 
 def encoder_name(enc: dict, choice: str | None) -> str:
@@ -217,7 +217,7 @@ def load_run(run_dir: Path) -> Run | None:
     cfg_path = run_dir / ".hydra" / "config.yaml"
     if not cfg_path.exists():
         return None
-    cfg = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
+    cfg = plain(OmegaConf.load(cfg_path), resolve=False)
     choices = _choices(run_dir)
     enc = encoder_name(cfg.get("encoder") or {}, choices.get("encoder"))
     if (run_dir / "metrics.json").exists() and "probe" in cfg:

@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import wandb
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
 from pytorch_lightning.loggers import WandbLogger
 
+from probes.config import plain
 from probes.report.provenance import write_provenance
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def analysis_inputs(cfg, data_dir, cache_dir, treebank=None, encoder=None) -> di
         inputs["encoder"] = dict(name=encoder.name, fingerprint=encoder.fingerprint)
     checkpoint = (cfg.get("analysis") or {}).get("checkpoint")
     if checkpoint is not None:
-        inputs["checkpoint"] = OmegaConf.to_container(checkpoint) if OmegaConf.is_config(checkpoint) else checkpoint
+        inputs["checkpoint"] = plain(checkpoint, resolve=False)
     return inputs
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.stats import rankdata
 from torchmetrics import Metric
 
 from probes.dependency.metrics import UAS as Rate  # correct / total counts, summed over processes
+from probes.stats import spearman_rows
 
 SPEARMAN_LENGTHS = (5, 50)  # sentence lengths averaged over (inclusive), as in the reporter
 
@@ -55,15 +55,6 @@ def mst_edges(dist: np.ndarray, keep: np.ndarray) -> set[tuple[int, int]]:
             if len(edges) == len(idx) - 1:
                 break
     return edges
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Spearman correlation of each row of x and y (R, n) (average ranks for ties, as scipy); NaN if undefined."""
-    rx, ry = rankdata(x, axis=-1), rankdata(y, axis=-1)
-    rx, ry = rx - rx.mean(-1, keepdims=True), ry - ry.mean(-1, keepdims=True)
-    den = np.sqrt((rx ** 2).sum(-1) * (ry ** 2).sum(-1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den > 0, (rx * ry).sum(-1) / np.where(den > 0, den, 1), np.nan)
 
 
 def _numpy(*ts: torch.Tensor) -> list[np.ndarray]:
@@ -120,7 +111,7 @@ class DistanceSpearman(_LengthAveragedSpearman):
         """pred, gold: (B, N, N); lengths: (B,)."""
         pred, gold, lengths = _numpy(pred, gold, lengths)
         for p, g, n in zip(pred, gold, lengths):
-            self._add(int(n), spearman(p[:n, :n], g[:n, :n]))
+            self._add(int(n), spearman_rows(p[:n, :n], g[:n, :n]))
 
 
 class DepthSpearman(_LengthAveragedSpearman):
@@ -130,7 +121,7 @@ class DepthSpearman(_LengthAveragedSpearman):
         """pred, gold: (B, N); lengths: (B,)."""
         pred, gold, lengths = _numpy(pred, gold, lengths)
         for p, g, n in zip(pred, gold, lengths):
-            self._add(int(n), spearman(p[None, :n], g[None, :n]))
+            self._add(int(n), spearman_rows(p[None, :n], g[None, :n]))
 
 
 class RootAccuracy(Rate):

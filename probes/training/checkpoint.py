@@ -3,7 +3,7 @@
 A ``.ckpt`` or ``head.pt`` is a pickle, and unpickling one may call anything it names. Every checkpoint this project
 reads is therefore loaded weights-only (``torch.load(weights_only=True)``: tensors and plain Python values), also
 where Lightning loads it (``trainer.fit`` / ``trainer.test`` with ``weights_only=True``). The files the project
-writes hold nothing else (hyperparameters as plain values, :func:`probes.training.module.plain`; the random
+writes hold nothing else (hyperparameters as plain values, :func:`probes.config.plain`; the random
 generators' states as tensors and numbers), so no global needs allow-listing; a file that holds anything else
 was written by other code or altered, and is refused with :class:`UnsafeCheckpointError` naming it.
 """

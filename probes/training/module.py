@@ -36,7 +36,6 @@ One convention for all of them:
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -44,8 +43,9 @@ from typing import Any, Callable
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchmetrics import MaxMetric, Metric, MetricCollection, MinMetric
+
+from probes.config import plain
 
 SPLITS = ("train", "val", "test")
 BEST = {"max": MaxMetric, "min": MinMetric}  # probe.mode -> the aggregator of the tracked best
@@ -271,24 +271,6 @@ class ProbeModule(pl.LightningModule):
         scheduler = self.scheduler_factory(optimizer=optimizer, **self.scheduler_arguments())
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval,
                                                          "monitor": self.scheduler_monitor}}
-
-
-def plain(value: Any) -> Any:
-    """``value`` as types a weights-only checkpoint load reads (recursively): omegaconf containers as dicts and
-    lists, paths as strings, numpy scalars as Python numbers; anything else as it is."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        value = OmegaConf.to_container(value, resolve=True)
-    if isinstance(value, Mapping):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [plain(v) for v in value]
-    if isinstance(value, tuple):  # a named tuple too: its class would not load
-        return tuple(plain(v) for v in value)
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
 
 
 def _numpy_state() -> tuple:

@@ -32,7 +32,7 @@ most ``max_tokens`` pieces. AOPC is computed at ``aopc_layers`` (``selected``: t
 every layer, about L times the perturbed forwards); the Spearman scores at every layer.
 
 Means over examples with 95% percentile-bootstrap intervals (``n_boot`` resamples of the examples,
-:func:`probes.analysis.stats.bootstrap_mean`; examples where a Spearman is undefined, e.g. one unit, are
+:func:`probes.stats.bootstrap_mean`; examples where a Spearman is undefined, e.g. one unit, are
 left out of that mean and counted in ``n``).
 
 Outputs: ``faithfulness.csv`` (kind x metric at the chosen layer, references and random, with ``_lo``/``_hi``
@@ -62,13 +62,13 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
-from probes.analysis.stats import bootstrap_mean, spearman_rows
+from probes.stats import bootstrap_mean, spearman_rows
 from probes.data.glue import GlueExample, read_glue, task_spec
 from probes.glue.export import hf_folder
 from probes.io import atomic_write
 from probes.measures import Measure, sentence_rows
 from probes.measures.saliency import logit_attributions
-from probes.model import hooks
+from probes.model import structure
 from probes.model.families import is_causal
 from probes.model.fixed_inputs import fixed_inputs
 from probes.model.inputs import encode_word_pairs, encode_words, length_batches, pad
@@ -164,7 +164,7 @@ class Classifier:
             types = [seqs[b][1] for b in batch] if any(seqs[b][1] is not None for b in batch) else None
             inp = pad([seqs[b][0] for b in batch], self.pad_id, types)
             inp = {k: v.to(self.device) for k, v in inp.items()}
-            logits = self.model(**hooks.model_inputs(self.model, **inp)).logits.float()  # (B, C)
+            logits = self.model(**structure.model_inputs(self.model, **inp)).logits.float()  # (B, C)
             p = logits.softmax(-1).cpu().numpy()
             for j, b in enumerate(batch):
                 out[b] = p[j]

@@ -5,7 +5,7 @@ Wordpiece level (as Clark, who used wordpiece maps of unlabeled text), live enco
 Clark's input form; else each sentence alone; sequences longer than ``encoder.max_length`` pieces are
 skipped and counted). As Clark's ``head_distances.py``: every attention row is smoothed,
 ``(1 - s) a + s / T`` with ``smoothing`` s = 0.001, and the distance between heads a and b is the
-Jensen-Shannon divergence (nats; :func:`probes.analysis.stats.js_divergence_matrix` x ln 2) of their
+Jensen-Shannon divergence (nats; :func:`probes.stats.js_divergence_matrix` x ln 2) of their
 smoothed rows summed over every attending token of every sequence (``js`` column; ``js_per_token``
 divides by the number of tokens). The symmetric matrix is embedded in 2-D by metric multidimensional
 scaling with Clark's settings (scikit-learn ``MDS`` on the precomputed dissimilarities, ``n_init=5``,
@@ -51,9 +51,9 @@ from probes.analysis.clark.head_stats import (encode_inputs, first_token_name, f
                                               sequence_attention)
 from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, is_causal, punct_positions, smooth
 from probes.analysis.naming import head_name
-from probes.analysis.stats import LN2, js_divergence_matrix
-from probes.measures import iter_maps
+from probes.maps import MapEngine
 from probes.model.families import is_byte_level
+from probes.stats import LN2, js_divergence_matrix
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,11 @@ def wordpiece_maps(enc, measure, encoded, device: str, max_tokens: int, max_batc
     maps (L, H', T, T) with rows normalised to sum 1, punct (T,), sep (T,))`` of the encoded sequences;
     those longer than the encoder's (or the measure's) maximum are skipped."""
     tok = enc.tokenizer
-    keep = fitting(encoded, min(enc.max_length, measure.max_pieces or enc.max_length))
+    engine = MapEngine(enc.model, measure, tokenizer=tok, device=device, max_tokens=max_tokens,
+                       max_batch_size=max_batch_size, max_pairs=None)
+    keep = fitting(encoded, engine.limit())
     items, byte_level = [encoded[i] for i in keep], is_byte_level(tok)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    for k, m in iter_maps(measure, enc.model, items, pad, device, max_tokens, max_batch_size, desc="clustering"):
+    for k, m in engine.iter_piece_maps(items, desc="clustering"):
         m = m.float()
         yield (keep[k], m / m.sum(-1, keepdim=True).clamp(min=1e-12),
                punct_positions(tok, items[k].input_ids, byte_level), separator_positions(items[k]))

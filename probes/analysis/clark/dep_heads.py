@@ -217,7 +217,7 @@ def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_
     ctx.save_figure(bar_figure(table), "dep_table")
     report = table[table.relation.isin(["all", *report_relations])] if report_relations else table
     ctx.log_summary(dict(
-        analysis="dep_heads", split=split, encoder=ctx.encoder.name, maps=cache.manifest.get("maps", "attention"),
+        analysis="dep_heads", split=split, encoder=ctx.encoder.name, maps=cache.manifest["maps"],
         heads_per_layer=cache.num_heads, causal=causal, n_sentences=acc.n_sentences,
         n_skipped=len(sentences) - acc.n_sentences, cache=str(cache.path), seconds=round(time.time() - t0, 1),
         table={r.relation: dict(count=int(r["count"]), name=r["name"], direction=r.direction,

@@ -49,7 +49,8 @@ import torch
 from probes.analysis import plots
 from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, is_causal, punct_positions
 from probes.analysis.naming import head_name
-from probes.model import hooks
+from probes.maps import MapEngine
+from probes.measures.attention import Attention
 from probes.model.families import is_byte_level
 from probes.model.inputs import Encoded, encode_word_pairs, encode_words
 
@@ -121,8 +122,9 @@ def sequence_attention(encoder, encoded: Sequence[Encoded], device: str = "cpu",
     keep = fitting(encoded, encoder.max_length)
     byte_level = is_byte_level(tok)
     items = [encoded[i] for i in keep]
-    for k, attn in hooks.iter_attention(encoder.model, items, tok.pad_token_id, device=device, max_tokens=max_tokens,
-                                        max_batch_size=max_batch_size, desc=desc):
+    engine = MapEngine(encoder.model, Attention(), tokenizer=tok, device=device, max_tokens=max_tokens,
+                       max_batch_size=max_batch_size, max_pairs=None)
+    for k, attn in engine.iter_piece_maps(items, desc=desc):
         yield keep[k], attn, punct_positions(tok, items[k].input_ids, byte_level), separator_positions(items[k])
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from probes.analysis.stats import entropy
+from probes.stats import entropy
 from probes.model.families import is_byte_level
 
 HEAD_STATS = ("prev", "self", "next", "cls", "sep", "sep_sep", "rest_sep", "punct", "entropy", "cls_entropy")

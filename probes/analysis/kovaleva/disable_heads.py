@@ -14,7 +14,7 @@ and a disabled head's "uniform over the real tokens" is uniform over the keys it
 (itself and the earlier tokens). Checked in ``tests/test_decoder_analyses.py`` on a tiny Llama.
 
 ``reuse_prefix`` (default): the outputs of the layers below the disabled one cannot change, so they
-are taken from the plain run (``probes.model.hooks.PrefixCache``) and only layers >= l are computed;
+are taken from the plain run (``probes.model.prefix_cache.PrefixCache``) and only layers >= l are computed;
 exact. Models whose blocks are shared across layers (ALBERT) always run in full.
 
 Outputs, per task: ``disable_heads_<task>.csv`` (tidy: task, condition ∈ {none, head, layer},
@@ -41,7 +41,8 @@ from probes.analysis.naming import head_name
 from probes.data.glue import task_spec
 from probes.glue.evaluate import MODEL_KEYS
 from probes.glue.metrics import score
-from probes.model import hooks
+from probes.model import hooks, structure
+from probes.model.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +64,21 @@ def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, d
                    reuse_prefix: bool = True) -> pd.DataFrame:
     """Tidy scores for: nothing disabled, each single head, each whole layer (0-based indices).
 
-    `reuse_prefix`: compute only layers >= l when layer l is touched (`hooks.PrefixCache`); exact."""
+    `reuse_prefix`: compute only layers >= l when layer l is touched (`PrefixCache`); exact."""
     conditions = [("none", -1, -1)]
     if heads:
         conditions += [("head", l, h) for l in range(num_layers) for h in range(num_heads)]
     if layers:
         conditions += [("layer", l, -1) for l in range(num_layers)]
-    if reuse_prefix and not hooks.PrefixCache.supported(model):
+    if reuse_prefix and not PrefixCache.supported(model):
         log.info("disable_heads: %s shares blocks across layers; running every condition in full",
                  type(model).__name__)
         reuse_prefix = False
     rows, base = [], None
     with torch.inference_mode():
-        inputs = [hooks.model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b}) for b in batches]
+        inputs = [structure.model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b}) for b in batches]
         labels = torch.cat([b["labels"] for b in batches])
-        plain, prefix = zip(*(hooks.PrefixCache.record(model, x) for x in inputs)) if reuse_prefix else ((), ())
+        plain, prefix = zip(*(PrefixCache.record(model, x) for x in inputs)) if reuse_prefix else ((), ())
     for cond, l, h in tqdm(conditions, desc=f"disable_heads {task}", unit="cond", disable=None if progress else True):
         outs = []
         with hooks.attention(model, [], uniform=disabled(cond, l, h, num_heads)) as s, torch.inference_mode():
@@ -85,7 +86,7 @@ def disable_scores(model, batches, task: str, num_layers: int, num_heads: int, d
                 if cond == "none" and reuse_prefix:
                     outs.append(plain[i].logits)
                 elif reuse_prefix:  # layers < l are unchanged: reuse their outputs from the plain run
-                    with hooks.PrefixCache.reuse(model, prefix[i], l):
+                    with PrefixCache.reuse(model, prefix[i], l):
                         outs.append(s.run(**x).logits)
                 else:
                     outs.append(s.run(**x).logits)

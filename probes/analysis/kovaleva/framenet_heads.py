@@ -21,7 +21,7 @@ core FEs of a sentence into one source list, and takes attention from FE tokens 
 only (our ``fe_to_target``), pairing the i-th source with the i-th target token rather than all
 pairs. ``max_sentence_words`` / ``max_element_words`` apply the first two filters.
 
-Maps come from :func:`probes.model.hooks.iter_attention` (whole sentences ``[CLS] words [SEP]``, no
+Maps come from :meth:`probes.maps.MapEngine.iter_piece_maps` (whole sentences ``[CLS] words [SEP]``, no
 truncation; longer sentences are skipped and counted). ``checkpoint``: fine-tuned GLUE model(s)
 (path or ``{task: path}``) analysed next to the pre-trained ``encoder``.
 
@@ -47,8 +47,9 @@ from probes.analysis.naming import head_name
 from probes.analysis.plots import layer_head_axes
 from probes.analysis.tables import layer_head_frame
 from probes.data.framenet import read_framenet
+from probes.maps import MapEngine
+from probes.measures.attention import Attention
 from probes.model.families import usable_max_length
-from probes.model.hooks import iter_attention
 from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,9 @@ def head_link_scores(model, tokenizer, sentences, device: str = "cpu", baseline_
     rng = np.random.default_rng(seed)
     links, paired, base = _Sums(), _Sums(), _Sums()  # all links; links with a baseline; their baselines
     skipped_overlap = no_baseline = 0
-    for j, attn in iter_attention(model, [encoded[k] for k in keep], tokenizer.pad_token_id or 0, device=device,
-                                  max_tokens=max_tokens, desc=desc):  # attn: (L, H, T, T)
+    engine = MapEngine(model, Attention(), tokenizer=tokenizer, device=device, max_tokens=max_tokens,
+                       max_batch_size=64, max_pairs=None)
+    for j, attn in engine.iter_piece_maps([encoded[k] for k in keep], desc=desc):  # attn: (L, H, T, T)
         s, enc = sents[keep[j]], encoded[keep[j]]
         for link in s.links:
             if not link.target or not link.element or set(link.target) & set(link.element):

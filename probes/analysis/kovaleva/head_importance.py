@@ -37,11 +37,11 @@ from probes.analysis import plots
 from probes.analysis.kovaleva.common import checkpoints, glue_batches, load_checkpoint
 from probes.analysis.kovaleva.disable_heads import disable_scores
 from probes.analysis.naming import head_name
-from probes.analysis.stats import spearman_rows
+from probes.stats import spearman_rows
 from probes.data.glue import task_spec
 from probes.glue.evaluate import MODEL_KEYS
 from probes.glue.metrics import score
-from probes.model import hooks
+from probes.model import hooks, structure
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def head_importance(model, batches, num_labels: int, device: str = "cpu", progre
     total = torch.zeros(L, H, dtype=torch.float64)
     for b in tqdm(batches, desc="head importance", unit="batch", disable=None if progress else True):
         xi = torch.ones(L, H, device=device, requires_grad=True)  # (L, H) gates
-        x = hooks.model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b})
+        x = structure.model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b})
         with hooks.attention(model, [], gates=xi) as s:
             loss = task_loss(s.run(**x).logits, b["labels"].to(device), num_labels)
         (g,) = torch.autograd.grad(loss, xi)
@@ -78,7 +78,7 @@ def evaluate(model, batches, task: str, gates: torch.Tensor, device: str = "cpu"
     outs, labels = [], []
     with hooks.attention(model, [], gates=gates.to(device)) as s:
         for b in batches:
-            x = hooks.model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b})
+            x = structure.model_inputs(model, **{k: b[k].to(device) for k in MODEL_KEYS if k in b})
             outs.append(s.run(**x).logits.float().cpu())
             labels.append(b["labels"])
     return score(task, torch.cat(outs), torch.cat(labels))

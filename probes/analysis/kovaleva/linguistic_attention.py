@@ -65,16 +65,18 @@ from dataclasses import dataclass, field
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
 
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
 from probes.analysis.plots import heatmaps, panel_grid
 from probes.analysis.tables import layer_head_frame
+from probes.config import plain
 from probes.data.glue import read_glue, task_spec
+from probes.maps import MapEngine
+from probes.measures.attention import Attention
 from probes.model.families import usable_max_length
-from probes.model.hooks import iter_attention
 from probes.model.inputs import Encoded, encode_texts, encode_words, text_offsets
+from probes.stats import resamples
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ RULE_KEYS = {"special", "upos", "xpos", "deprel", "words", "child_deprel", "head
 
 # ---------------------------------------------------------------------------------------------- rules
 def clauses(rule) -> list[dict]:
-    """A kind's rule as a list of clauses; a mapping (the old form) means "any one of its keys"."""
+    """A kind's rule as a list of clauses; a mapping is one clause per key (any one of its keys matches)."""
     if isinstance(rule, Mapping) or hasattr(rule, "items"):
         return [{k: v} for k, v in rule.items()]
     out = [dict(c) for c in rule]
@@ -292,11 +294,11 @@ class FeatureAccumulator:
 
 def paired_bootstrap(a: np.ndarray, b: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float]:
     """95% percentile interval of mean(b - a) over examples resampled with replacement (a, b: (N,) paired)."""
-    rng = np.random.default_rng(seed)
-    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)  # (N,)
     if len(d) == 0:
         return float("nan"), float("nan")
-    means = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
+    rng = np.random.default_rng(seed)
+    means = np.concatenate([d[idx].mean(1) for idx in resamples(len(d), n_boot, rng, n_boot)])  # (n_boot,)
     lo, hi = np.percentile(means, [2.5, 97.5])
     return float(lo), float(hi)
 
@@ -456,10 +458,6 @@ def change_bars(ch: pd.DataFrame, statistic: str = "all_heads"):
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def _plain(x):
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
-
-
 def _frames(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
     """The per-(layer, head) tables of :func:`~probes.analysis.tables.layer_head_frame` as one, in ``columns`` order."""
     return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
@@ -469,8 +467,9 @@ def _run_one(ctx, items, model, tok, features, relations, piece_pooling, missing
     """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations."""
     acc = FeatureAccumulator(list(features), missing)
     racc = FeatureAccumulator(list(relations), relation_missing)
-    for k, attn in iter_attention(model, [it.encoded for it in items], tok.pad_token_id or 0,
-                                  device=ctx.device, max_tokens=max_tokens, desc=desc):
+    engine = MapEngine(model, Attention(), tokenizer=tok, device=ctx.device, max_tokens=max_tokens,
+                       max_batch_size=64, max_pairs=None)
+    for k, attn in engine.iter_piece_maps([it.encoded for it in items], desc=desc):
         it = items[k]
         a = attn.cpu().numpy()  # (L, H, T, T)
         groups = feature_groups(it.input_ids, it.word_of_piece, it.words, features, tok.cls_token_id,
@@ -492,15 +491,15 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task:
     ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path} picked by ``task``);
     ``treebank_name``: the label of ``source=treebank`` rows (``treebank:<name>``; the config passes ``data.name``)."""
     t0 = time.time()
-    sets = _plain(feature_sets) or {"kovaleva": KOVALEVA_FEATURES, "project": PROJECT_FEATURES}
+    sets = plain(feature_sets) or {"kovaleva": KOVALEVA_FEATURES, "project": PROJECT_FEATURES}
     if features is None:
         if feature_set not in sets:
             raise ValueError(f"analysis.feature_set={feature_set!r} is not in analysis.feature_sets ({sorted(sets)})")
         features = sets[feature_set]
-    features = {k: clauses(v) for k, v in _plain(features).items()}
-    relations = {k: dict(v) for k, v in (_plain(relations) if relations is not None else KOVALEVA_RELATIONS).items()}
+    features = {k: clauses(v) for k, v in plain(features).items()}
+    relations = {k: dict(v) for k, v in (plain(relations) if relations is not None else KOVALEVA_RELATIONS).items()}
     names = list(features)
-    miss = {f: (_plain(missing_by_feature) or {}).get(f, missing) for f in names}
+    miss = {f: (plain(missing_by_feature) or {}).get(f, missing) for f in names}
 
     if source == "treebank":
         runs = [(f"treebank:{treebank_name}", None)]

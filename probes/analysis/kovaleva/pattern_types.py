@@ -4,7 +4,7 @@ For each task in ``task`` (one GLUE task or a list) its ``split`` examples (firs
 that are ``min_length``..``max_length`` wordpieces long; the CNN was trained on maps of 12 to 64)
 are encoded as the labelled maps were (``[CLS] a [SEP] b [SEP]`` for pairs, the model's own
 tokenizer, :func:`probes.model.inputs.encode_texts`); every head's full wordpiece map (live, from
-:func:`probes.model.hooks.iter_attention`) is classified by the trained CNN (``classifier``, a
+:meth:`probes.maps.MapEngine.iter_piece_maps`) is classified by the trained CNN (``classifier``, a
 ``.ckpt`` of ``python train.py experiment=patterns`` or its run folder). Done for the pre-trained
 ``encoder``, and for the fine-tuned model ``checkpoint`` when given (a GLUE run folder, its
 ``hf_model`` folder or a ``.ckpt``; ``{task: path}`` for several tasks; same vocabulary as ``encoder``).
@@ -45,17 +45,19 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
 from scipy.optimize import nnls
 
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
+from probes.config import plain
 from probes.data.glue import read_glue, task_spec
 from probes.extract.cache import cache_key_hash
 from probes.io import atomic_write
-from probes.model.hooks import iter_attention
+from probes.maps import MapEngine, pad_id_of
+from probes.measures.attention import Attention
 from probes.model.inputs import Encoded, encode_texts
 from probes.patterns.module import load_classifier
+from probes.stats import resamples
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,9 @@ def head_predictions(classifier, model, items: list[Encoded], device: str = "cpu
                      progress: bool = True, desc: str = "pattern_types", pad_id: int = 0) -> np.ndarray:
     """(N, L, H) class index of every example's map of every head (in ``items`` order)."""
     pred = None
-    for k, attn in iter_attention(model, items, pad_id, device=device, max_tokens=max_tokens, desc=desc,
-                                  progress=progress):
+    engine = MapEngine(model, Attention(), pad_id=pad_id, device=device, max_tokens=max_tokens, max_batch_size=64,
+                       max_pairs=None)
+    for k, attn in engine.iter_piece_maps(items, desc=desc, progress=progress):
         L, H, T, _ = attn.shape  # (L, H, T, T)
         if pred is None:
             pred = np.zeros((len(items), L, H), dtype=np.int16)
@@ -158,11 +161,10 @@ def bootstrap_shares(per_example: dict[str, np.ndarray], confusion: np.ndarray |
     n = len(next(iter(per_example.values())))
     C = len(estimable)
     out = {v: np.zeros((n_boot, 2, C)) for v in per_example}
-    for b in range(n_boot):
-        i = rng.integers(0, n, n)
+    for b, (i,) in enumerate(resamples(n, n_boot, rng)):  # i: (n,)
         conf = confusion
         if cv is not None:
-            j = rng.integers(0, len(cv[0]), len(cv[0]))
+            (j,) = next(resamples(len(cv[0]), 1, rng))  # (len(cv[0]),)
             conf = np.zeros((C, C))
             np.add.at(conf, (cv[0][j], cv[1][j]), 1)
         for v, ex in per_example.items():
@@ -191,7 +193,7 @@ def load_cached(cache_dir, key: str, n: int | None):
     if not p.is_file():
         return None
     with np.load(p) as z:
-        if "pred" not in z.files:  # an older format: recompute
+        if "pred" not in z.files:  # no stored predictions: recompute
             return None
         pred, complete = z["pred"], bool(z["complete"])
         if (n is None and not complete) or (n is not None and len(pred) < n and not complete):
@@ -303,7 +305,7 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task: str | list[str
         log.warning("pattern_types: no analysis.confusion given: shares are NOT corrected for the classifier's errors")
     estimable = (conf.sum(1) >= min_support) if conf is not None else np.ones(len(classes), bool)
     tasks = [task] if isinstance(task, str) else list(task)
-    encoder_cfg = OmegaConf.to_container(encoder, resolve=True) if OmegaConf.is_config(encoder) else encoder
+    encoder_cfg = plain(encoder)
     results, n_examples, summary, rows, shifts = {}, {}, {}, [], []
     for t in tasks:
         spec = task_spec(t)
@@ -326,7 +328,7 @@ def pattern_types(ctx, *, classifier=None, checkpoint=None, task: str | list[str
                 log.info("pattern_types %s %s: %d examples (%d outside %s..%s wordpieces)", spec.name, variant,
                          len(items), skipped, min_length, max_length)
                 pred = head_predictions(classifier, model, items, device, max_tokens, desc=f"{spec.name} {variant}",
-                                        pad_id=tok.pad_token_id or 0)  # (N, L, H)
+                                        pad_id=pad_id_of(tok))  # (N, L, H)
                 save_cached(cache, key, pred, skipped, complete)
             c, ex = count_predictions(pred, len(classes))  # (L, H, C), (N, C)
             n_examples[spec.name] = len(ex)

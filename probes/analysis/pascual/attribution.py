@@ -78,7 +78,7 @@ from captum.attr import InputXGradient, IntegratedGradients
 from tqdm import tqdm
 
 from probes.analysis.plots import layer_head_figure
-from probes.analysis.stats import js_divergence, spearman_rows, top1_agreement
+from probes.stats import js_divergence, spearman_rows, top1_agreement
 from probes.analysis.tables import layer_head_frame
 from probes.measures.gradflow import (attribution_distribution, head_attribution_gflops, head_attributions,
                                       hta_attributions, ig_baseline, word_embeddings)

@@ -47,11 +47,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import pearsonr, spearmanr
+from scipy.stats import pearsonr
 from tqdm import tqdm
 
 from probes.measures.gradflow import gradient_flow
 from probes.model.inputs import encode_words, pooling_matrix
+from probes.stats import spearman_rows, spearman_test
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +121,12 @@ def correlations(df: pd.DataFrame, measures=("G", "Gstar"), against: str = "A") 
         for pairs, d in subsets.items():
             groups = [("all_layers", -1, d), *(("layer", int(l), g) for l, g in d.groupby("layer"))]
             for scope, layer, g in groups:
-                r, p = spearmanr(g[m], g[against]) if len(g) > 2 else (np.nan, np.nan)
+                r, p = spearman_test(g[m], g[against]) if len(g) > 2 else (np.nan, np.nan)
                 pr = pearsonr(g[m], g[against])[0] if len(g) > 2 else np.nan
                 rows.append(dict(measure=m, against=against, pairs=pairs, scope=scope, layer=layer,
                                  rho=float(r), p=float(p), pearson=float(pr), n=len(g)))
             # mean of per-sentence rho (all layers pooled within the sentence)
-            rs = [spearmanr(g[m], g[against])[0] for _, g in d.groupby("sentence") if len(g) > 2]
+            rs = [float(spearman_rows(g[m], g[against])) for _, g in d.groupby("sentence") if len(g) > 2]
             rows.append(dict(measure=m, against=against, pairs=pairs, scope="per_sentence_mean", layer=-1,
                              rho=float(np.nanmean(rs)) if rs else np.nan, p=np.nan, n=len(rs)))
     return pd.DataFrame(rows)

@@ -7,7 +7,7 @@ the first ``max_sentences`` of ``split`` (file order; null = all), of which a se
 special tokens and t1 == t2 left out).
 
 Two contrasts, each per layer and per measure, with token distance controlled for by **OLS**
-(pure numpy/scipy, :func:`probes.analysis.stats.ols`; statsmodels is not installed/needed):
+(pure numpy/scipy, :func:`probes.stats.ols`; statsmodels is not installed/needed):
 
 * ``open_class``: all pairs (t1, t2); indicator = t1's gold UPOS is open-class (``open_upos``, default
   NOUN VERB ADJ ADV PROPN) vs closed-class (``closed_upos``, default the UD closed classes ADP AUX
@@ -53,8 +53,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.analysis.stats import ols
-from probes.analysis.westera import original as W
+from probes.analysis.westera.original import (CLOSED_TAGS, NOUN_XPOS, OPEN_TAGS, POS_GROUPS, PRON_XPOS, class_balances,
+                                              coref_items, coref_tests, group_tests, pair_mean, pearson_spearman,
+                                              word_positions)
+from probes.stats import ols
 from probes.analysis.westera.flow import select_sentences, sentence_flow
 from probes.data.coref import read_gum_coref
 from probes.model.inputs import pooling_matrix
@@ -166,8 +168,8 @@ def flow_correlates(ctx, *, split: str = "dev", max_sentences: int | None = None
                     pron_upos=("PRON",), chain: bool = True, chunk_size: int | None = None,
                     max_length: int | None = None, num_threads: int | None = None,
                     transforms=("raw", "log"), save_pairs: bool = False, level: str = "piece",
-                    original: bool = True, open_tags=W.OPEN_TAGS, closed_tags=W.CLOSED_TAGS,
-                    pos_groups=W.POS_GROUPS, noun_xpos=W.NOUN_XPOS, pron_xpos=W.PRON_XPOS) -> pd.DataFrame:
+                    original: bool = True, open_tags=OPEN_TAGS, closed_tags=CLOSED_TAGS,
+                    pos_groups=POS_GROUPS, noun_xpos=NOUN_XPOS, pron_xpos=PRON_XPOS) -> pd.DataFrame:
     """Flow on a seeded random subset of the first ``max_sentences`` sentences of GUM ``split``; OLS of each
     measure on the contrasts; save and return the effects."""
     t0 = time.time()
@@ -241,16 +243,16 @@ class _Original:
     def add(self, sid: int, s, clusters, e, fl: dict[str, np.ndarray]) -> None:
         for m, v in fl.items():
             self.flat[m].append(v.reshape(v.shape[0], -1))
-        pos = W.word_positions(e.word_of_piece, e.n_words, self.level)
+        pos = word_positions(e.word_of_piece, e.n_words, self.level)
         L = next(iter(fl.values())).shape[0]
         for kind, groups in (("open_closed", self.classes), ("pos", self.pos)):
-            vals = {m: W.class_balances(v, pos, s.upos, groups) for m, v in fl.items()}
+            vals = {m: class_balances(v, pos, s.upos, groups) for m, v in fl.items()}
             for g in groups:
                 for layer in range(L):
                     self.class_rows.append(dict(kind=kind, sentence=sid, layer=layer, group=g,
                                                 **{m: float(vals[m][g][layer]) for m in fl}))
-        for n_i, (i, j, coref) in enumerate(W.coref_items(s.xpos, clusters, self.noun_xpos, self.pron_xpos)):
-            vals = {m: W.pair_mean(v, pos[i], pos[j]) for m, v in fl.items()}
+        for n_i, (i, j, coref) in enumerate(coref_items(s.xpos, clusters, self.noun_xpos, self.pron_xpos)):
+            vals = {m: pair_mean(v, pos[i], pos[j]) for m, v in fl.items()}
             for layer in range(L):
                 self.coref_rows.append(dict(sentence=sid, item=n_i, noun=i, pronoun=j, layer=layer,
                                             coref=int(coref), distance=j - i,
@@ -265,17 +267,17 @@ class _Original:
                 x = flat[m].ravel() if layer < 0 else flat[m][layer]
                 a = flat["A"].ravel() if layer < 0 else flat["A"][layer]
                 corr_rows.append(dict(measure=m, against="A", level=self.level, layer=layer,
-                                      **W.pearson_spearman(x, a)))
+                                      **pearson_spearman(x, a)))
         corr = pd.DataFrame(corr_rows)
         cls = pd.DataFrame(self.class_rows)
-        tests = pd.concat([W.group_tests(cls[cls.kind == kind], m, list(groups), kind)
+        tests = pd.concat([group_tests(cls[cls.kind == kind], m, list(groups), kind)
                            for kind, groups in (("open_closed", self.classes), ("pos", self.pos)) for m in measures],
                           ignore_index=True)
         items = pd.DataFrame(self.coref_rows)
         ct, co = [], []
         if len(items) and items.coref.nunique() == 2:
             for m in measures:
-                t, o = W.coref_tests(items, m)
+                t, o = coref_tests(items, m)
                 ct.append(t)
                 co.append(o)
         ctt = pd.concat(ct, ignore_index=True) if ct else pd.DataFrame()

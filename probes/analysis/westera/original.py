@@ -30,9 +30,9 @@ from itertools import combinations
 
 import numpy as np
 import pandas as pd
-from scipy.stats import pearsonr, spearmanr, ttest_ind
+from scipy.stats import pearsonr, ttest_ind
 
-from probes.analysis.stats import ols
+from probes.stats import ols, spearman_rows
 
 OPEN_TAGS = ("ADJ", "ADV", "INTJ", "NOUN", "PROPN", "VERB")
 CLOSED_TAGS = ("ADP", "AUX", "CCONJ", "DET", "NUM")
@@ -144,4 +144,4 @@ def pearson_spearman(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     x, y = x[ok], y[ok]
     if len(x) < 3:
         return dict(pearson=np.nan, spearman=np.nan, n=len(x))
-    return dict(pearson=float(pearsonr(x, y)[0]), spearman=float(spearmanr(x, y)[0]), n=int(len(x)))
+    return dict(pearson=float(pearsonr(x, y)[0]), spearman=float(spearman_rows(x, y)), n=int(len(x)))

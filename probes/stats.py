@@ -1,17 +1,20 @@
-"""Statistics shared by the analyses (one implementation each): entropy, Jensen-Shannon divergence
-(in bits, base 2, in [0, 1], everywhere), rank correlation, top-1 agreement, OLS with clustered errors.
+"""Statistics of the package, one implementation each: entropy, Jensen-Shannon divergence (in bits, base 2,
+in [0, 1], everywhere), Spearman rank correlation, top-1 agreement, OLS with clustered errors, bootstrap
+resampling and the seeding of the global random generators.
 
-Distributions lie along the last axis; maps are (..., T, T) with rows = attending position.
+Distributions lie along the last axis; maps are (..., T, T) with rows = attending position. This module imports
+no other module of the package, so that every layer may use it.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
+import pytorch_lightning as pl
 import torch
-from scipy import stats
+from scipy import special, stats
 from scipy.stats import rankdata
 
 LN2 = float(np.log(2.0))
@@ -77,6 +80,17 @@ def spearman_rows(a, b) -> np.ndarray:
         return np.where(den > 0, (ra * rb).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
 
 
+def spearman_test(x, y) -> tuple[float, float]:
+    """Spearman's rho of two 1-D samples (:func:`spearman_rows`) and its two-sided p-value (Student t with
+    n - 2 degrees of freedom, as :func:`scipy.stats.spearmanr`); NaN, NaN where rho is undefined."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)  # (n,)
+    rho = float(spearman_rows(x, y))
+    dof = len(x) - 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = rho * np.sqrt(np.clip(dof / ((rho + 1.0) * (1.0 - rho)), 0, None))
+    return rho, float(2 * special.stdtr(dof, -np.abs(t)))
+
+
 def top1_agreement(a, b) -> np.ndarray:
     """1.0 where the argmax of ``a`` and ``b`` along the last axis coincide, else 0.0."""
     return (np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).astype(np.float64)
@@ -123,6 +137,23 @@ def ols(y: np.ndarray, X: np.ndarray, names: Sequence[str], groups: np.ndarray |
                  n_groups=n_groups) for i in range(k)]
 
 
+def resamples(n: int, n_boot: int, rng: np.random.Generator, chunk: int = 1) -> Iterator[np.ndarray]:
+    """The bootstrap's resamples of ``n`` examples (drawn with replacement), ``chunk`` resamples at a time.
+
+    Args:
+        n: The number of examples.
+        n_boot: The number of resamples in all.
+        rng: The generator they are drawn from, a block at a time as they are consumed (a caller may draw
+            from it between blocks).
+        chunk: Resamples per block.
+
+    Returns:
+        An iterator of (c, n) example indices, c <= ``chunk``, ``n_boot`` rows in all.
+    """
+    for s in range(0, n_boot, chunk):
+        yield rng.integers(0, n, size=(min(chunk, n_boot - s), n))  # (c, n)
+
+
 def bootstrap_mean(values, n_boot: int = 1000, seed: int = 0, level: float = 0.95, chunk: int = 100
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Mean over examples and its percentile-bootstrap interval, per column, NaN left out.
@@ -141,14 +172,28 @@ def bootstrap_mean(values, n_boot: int = 1000, seed: int = 0, level: float = 0.9
     if N == 0:
         nan = np.full(K, np.nan)
         return mean, nan, nan, n
-    rng = np.random.default_rng(seed)
     boots = np.empty((n_boot, K))
-    for s in range(0, n_boot, chunk):
-        idx = rng.integers(0, N, size=(min(chunk, n_boot - s), N))  # (c, N)
+    s = 0
+    for idx in resamples(N, n_boot, np.random.default_rng(seed), chunk):  # (c, N)
         with np.errstate(invalid="ignore", divide="ignore"):
             boots[s:s + len(idx)] = filled[idx].sum(1) / ok[idx].sum(1)
+        s += len(idx)
     a = (1 - level) / 2
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: NaN interval
         lo, hi = np.nanquantile(boots, a, axis=0), np.nanquantile(boots, 1 - a, axis=0)
     return mean, lo, hi, n
+
+
+def seed_everything(seed: int, workers: bool = False) -> int:
+    """Seed Python's, numpy's and torch's global generators (Lightning's ``seed_everything``, which also sets
+    ``PL_GLOBAL_SEED`` for spawned processes).
+
+    Args:
+        seed: The seed.
+        workers: Also seed each dataloader worker of a Lightning Trainer from it (``PL_SEED_WORKERS``).
+
+    Returns:
+        The seed.
+    """
+    return pl.seed_everything(seed, workers=workers)

@@ -1,0 +1,18 @@
+"""From sentences to maps, one way for every caller: the extraction stage, the public API and the analyses.
+
+:class:`MapEngine` holds a frozen model, a map kind (:mod:`probes.measures`; attention is one of them), the chosen
+layers, the word pooling and the batch budget, and turns already encoded sentences
+(:class:`probes.model.inputs.Encoded`) into piece maps or word maps, batch by batch. :mod:`probes.maps.batches`
+makes the batches: encoding in chunks, the long-sentence policy, length batches bounded in pieces and attention
+pairs, and the pooling matrices of a padded batch.
+
+Layer: above :mod:`probes.measures` and :mod:`probes.model`, below :mod:`probes.extract`, :mod:`probes.api` and
+:mod:`probes.analysis`.
+"""
+
+from probes.maps.batches import (SentenceBatches, encode_all, make_batch, pooling_matrices, select,
+                                 split_by_pairs)
+from probes.maps.engine import MapEngine, pad_id_of, pool_layers
+
+__all__ = ["MapEngine", "SentenceBatches", "encode_all", "make_batch", "pad_id_of", "pool_layers", "pooling_matrices",
+           "select", "split_by_pairs"]

@@ -1,0 +1,198 @@
+"""The map engine: encoded sentences, a model, layers and a map kind -> piece maps or word maps, batch by batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from probes.config import plain
+from probes.maps.batches import SentenceBatches, make_batch, select, split_by_pairs
+from probes.measures import Measure, build
+from probes.model.families import usable_max_length
+from probes.model.inputs import Encoded, length_batches, pad_encoded
+from probes.progress import Progress
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id padded positions hold: the tokenizer's pad token, else 0 (the attention mask hides them)."""
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    return 0 if pad_id is None else int(pad_id)
+
+
+def pool_layers(probs: list[torch.Tensor], from_mat: torch.Tensor, to_mat: torch.Tensor,
+                dtype: torch.dtype = torch.float16, compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """Word-level maps, pooled one layer at a time in ``compute`` (no copy of all layers' piece maps).
+
+    Args:
+        probs: L x (B, H, T, T) piece maps in any float dtype.
+        from_mat, to_mat: (B, W, T) pooling matrices of the rows and of the columns.
+        dtype: The dtype of the result.
+        compute: The dtype the products are computed in.
+
+    Returns:
+        (B, L, H, W, W) in ``dtype``.
+    """
+    B, H, T, _ = probs[0].shape
+    W = from_mat.shape[1]
+    out = torch.empty(B, len(probs), H, W, W, dtype=dtype, device=from_mat.device)  # (B, L, H, W, W)
+    frm, to_t = from_mat.unsqueeze(1).to(compute), to_mat.transpose(1, 2).to(compute)  # (B, 1, W, T), (B, T, W)
+    for l, a in enumerate(probs):
+        # columns first as one (H*T, T) @ (T, W) product per sentence: fewer, larger matmuls
+        cols = torch.bmm(a.to(compute).reshape(B, H * T, T), to_t).view(B, H, T, W)  # (B, H, T, W)
+        out[:, l] = frm @ cols  # (B, H, W, W)
+    return out
+
+
+class MapEngine:
+    """One way from encoded sentences to maps: length batches, the measure's piece maps of the chosen layers, and
+    their word maps (rows pooled ``from_words``, columns ``to_words``).
+
+    Args:
+        model: The frozen model (eval mode, on the project's attention path).
+        measure: The map kind (:mod:`probes.measures`; attention is :class:`probes.measures.attention.Attention`).
+        layers: 0-based layers, in the order the maps hold them; None: all.
+        from_words, to_words: Pooling of a word's rows and columns over its pieces (``mean``, ``sum``, ``first``).
+        pad_id: The id of padded positions; None: ``tokenizer``'s pad token, else 0 (:func:`pad_id_of`).
+        tokenizer: Where the pad id comes from when ``pad_id`` is None.
+        device: Where :meth:`iter_piece_maps` and :meth:`iter_word_maps` move the model and the batches; None: the
+            model stays where it is (a Lightning Trainer moves it) and batches go to its device.
+        max_length: The most pieces a sentence may have (special tokens included); None: the model's usable length.
+        max_tokens: Pieces per batch (batch size * longest sentence).
+        max_batch_size: Sentences per batch.
+        max_pairs: Attention pairs per batch (batch size * longest^2); None: no bound.
+        pool_dtype: The dtype words are pooled in (:func:`probes.model.frozen.compute_in` yields it).
+    """
+
+    def __init__(self, model: torch.nn.Module, measure: Measure, layers: Sequence[int] | None = None, *,
+                 from_words: str = "mean", to_words: str = "sum", pad_id: int | None = None, tokenizer=None,
+                 device: str | torch.device | None = None, max_length: int | None = None, max_tokens: int = 4096,
+                 max_batch_size: int = 128, max_pairs: int | None = 65536, pool_dtype: torch.dtype = torch.float32):
+        self.model, self.measure = model, measure
+        L = int(model.config.num_hidden_layers)
+        self.layers = list(range(L)) if layers is None else [int(l) for l in layers]
+        bad = [l for l in self.layers if not 0 <= l < L]
+        if bad or not self.layers:
+            raise ValueError(f"layers {list(self.layers)}: expected 0-based layers in 0..{L - 1} (the model has {L})")
+        self.from_words, self.to_words = str(from_words), str(to_words)
+        self.pad_id = int(pad_id) if pad_id is not None else pad_id_of(tokenizer)
+        self.device = device
+        self.max_length = None if max_length is None else int(max_length)
+        self.max_tokens, self.max_batch_size = int(max_tokens), int(max_batch_size)
+        self.max_pairs = None if not max_pairs else int(max_pairs)
+        self.pool_dtype = pool_dtype
+
+    @classmethod
+    def from_config(cls, extract: Mapping | DictConfig, model: torch.nn.Module, *, kind: str | None = None,
+                    layers: Sequence[int] | None = None, **kwargs) -> MapEngine:
+        """The engine of an ``extract`` config node (conf/extract/default.yaml): its map kind (``kind`` instead of
+        ``maps`` when given), layers (``layers`` instead when given), pooling, ``max_length`` and batching.
+
+        Args:
+            extract: The ``extract`` node (DictConfig, plain mapping or
+                :class:`probes.extract.settings.ExtractSettings`).
+            model: The frozen model.
+            kind: The map kind, one of ``extract.measures``; None: ``extract.maps``.
+            layers: 0-based layers; None: ``extract.layers`` (None there: all).
+            **kwargs: Other constructor arguments (``tokenizer``, ``pad_id``, ``device``, ``pool_dtype``, or a
+                setting of the node to replace).
+        """
+        x = plain(extract)
+        kind = str(kind or x.get("maps") or "attention")
+        settings = dict(from_words=x["from_words"], to_words=x["to_words"], max_length=x.get("max_length"),
+                        max_tokens=x["max_tokens"], max_batch_size=x["max_batch_size"], max_pairs=x.get("max_pairs"))
+        return cls(model, build(kind, x.get("measures")), x.get("layers") if layers is None else layers,
+                   **{**settings, **kwargs})
+
+    @property
+    def num_heads(self) -> int:
+        """H' of the maps: the model's heads for per-head kinds, else 1."""
+        return self.measure.heads(int(self.model.config.num_attention_heads))
+
+    def limit(self) -> int:
+        """The most pieces a sentence may have: the least of ``max_length``, the model's usable length and the
+        measure's ``max_pieces``."""
+        n = usable_max_length(self.model.config)
+        return min(self.max_length or n, n, self.measure.max_pieces or n)
+
+    def select(self, encoded: Sequence[Encoded], long_sentences: str = "skip") -> tuple[list[int], list[int]]:
+        """(kept indices, too-long indices) of ``encoded`` under :meth:`limit` and the long-sentence policy
+        (``skip`` | ``error``; :func:`probes.maps.batches.select`)."""
+        return select(list(encoded), self.limit(), long_sentences)
+
+    def batches(self, encoded: Sequence[Encoded]) -> list[list[int]]:
+        """Positions in ``encoded`` of each batch: by length (shortest first), at most ``max_tokens`` pieces,
+        ``max_batch_size`` sentences and ``max_pairs`` attention pairs per batch."""
+        lengths = [e.n_pieces for e in encoded]
+        return split_by_pairs(length_batches(lengths, self.max_tokens, self.max_batch_size), lengths, self.max_pairs)
+
+    def batch(self, items: Sequence[Encoded], indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """One padded batch (:func:`probes.maps.batches.make_batch`): input_ids, attention_mask (B, T); from_mat,
+        to_mat (B, W, T); index, n_words (B,)."""
+        return make_batch(list(items), list(indices), self.from_words, self.to_words, self.pad_id)
+
+    def dataset(self, encoded: list[Encoded], indices: list[int], batches: list[list[int]]) -> SentenceBatches:
+        """The batches as a Dataset of padded batches (a DataLoader with ``batch_size=None``)."""
+        return SentenceBatches(encoded, indices, batches, self.from_words, self.to_words, self.pad_id)
+
+    def piece_maps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   token_type_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """L' x (B, H', T, T) piece maps of the chosen layers (input_ids, attention_mask, token_type_ids of sentence
+        pairs: (B, T), right-padded)."""
+        return self.measure.layer_maps(self.model, input_ids, attention_mask, self.layers, token_type_ids)
+
+    def word_maps(self, batch: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """(B, L', H', W, W) word maps of a :meth:`batch` (pooled in ``pool_dtype``, outside autocast)."""
+        probs = self.piece_maps(batch["input_ids"], batch["attention_mask"],
+                                batch.get("token_type_ids"))  # L' x (B, H', T, T)
+        with torch.autocast(probs[0].device.type, enabled=False):
+            return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype, self.pool_dtype)
+
+    def _on_device(self) -> torch.device:
+        """The device batches go to (the model moved to ``device`` first when it is set)."""
+        if self.device is not None:
+            self.model.to(self.device)
+            return torch.device(self.device)
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _iter(self, items: Sequence[Encoded], desc: str, progress: bool, step) -> Iterator:
+        """Run ``step(device, positions, their items)`` over :meth:`batches` of ``items`` without gradients, with a
+        tqdm bar on a terminal and progress lines in the log otherwise; yields what ``step`` yields."""
+        device = self._on_device()
+        with torch.inference_mode(), \
+                tqdm(total=len(items), desc=desc, unit="seq", disable=None if progress else True) as bar, \
+                Progress(desc, len(items), "sequences", enabled=None if progress else False) as lines:
+            for b in self.batches(items):
+                yield from step(device, b, [items[k] for k in b])
+                bar.update(len(b))
+                lines.update(len(b))
+
+    def iter_piece_maps(self, items: Sequence[Encoded], desc: str = "maps", progress: bool = True
+                        ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(k, (L', H', T_k, T_k) float32 piece maps)`` of every ``items[k]``, in batch order (a sentence's
+        block equals running it alone: padded keys get nothing)."""
+        def step(device, positions, its):
+            inp = {k: v.to(device) for k, v in pad_encoded(its, self.pad_id).items()}  # (B, T) each
+            maps = torch.stack(self.piece_maps(inp["input_ids"], inp["attention_mask"], inp.get("token_type_ids")),
+                               1).float()  # (B, L', H', T, T)
+            for j, (k, it) in enumerate(zip(positions, its)):
+                t = it.n_pieces
+                yield k, maps[j, :, :, :t, :t]
+
+        return self._iter(items, desc, progress, step)
+
+    def iter_word_maps(self, items: Sequence[Encoded], dtype: torch.dtype = torch.float32, desc: str = "word maps",
+                       progress: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(k, (L', H', W_k, W_k) word maps in dtype)`` of every ``items[k]``, in batch order; W_k =
+        its words + 2 (first special, words, last special; a special the tokenizer does not add is a zero row)."""
+        def step(device, positions, its):
+            batch = {k: v.to(device) for k, v in self.batch(its, positions).items()}
+            maps = self.word_maps(batch, dtype)  # (B, L', H', W, W)
+            for j, (k, it) in enumerate(zip(positions, its)):
+                w = it.n_words + 2
+                yield k, maps[j, :, :, :w, :w]
+
+        return self._iter(items, desc, progress, step)
