@@ -13,7 +13,10 @@ FLOPs reach. Each side runs in its own spawned process, loaded and warmed up (un
 every side once, in a rotated order, so that the machine's load falls on all of them alike; each side's
 fastest run and each dtype's best peak are reported. Timed: tokenization, forward passes, pooling and
 writing (extractor: the whole `extract` call, Trainer setup included; `auto`: also choosing the precision,
-measured as on a first run). Not timed: imports, model loading, data reading. See bench/README.md.
+measured as on a first run). Not timed: imports, model loading, data reading. Below the table, where each
+extractor side's CPU time goes (:mod:`probes.maps.timing`: tokenizing, batching, the forward's matmuls, softmax and
+other operators, pooling, device->host copies, writing, the rest per batch), the host-only share a GPU would leave
+and the cache's write rate. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+
+from probes.maps.timing import measuring, op_groups, stage  # noqa: E402  (after the repository is on the path)
 
 
 # ----------------------------------------------------------------------------- loading (not timed)
@@ -109,7 +114,7 @@ def flops_per_sentence(config, T: int, extraction: bool) -> float:
 def matmul_peak(device: str, dtype_name: str, n: int = 2048, budget_s: float = 3.0) -> dict:
     """Best-of-3 FLOP/s of an n x n matmul (``F.linear``, the kernel path of the model's projections; after
     one warm-up) on the threads torch uses. A dtype the hardware only emulates (bf16 without
-    AVX512-BF16/AMX) is timed at a smaller n when n would take longer than ``budget_s``."""
+    AVX512-BF16/AMX) is timed at a smaller n when n would take longer than ``budget_s`` (CPU seconds on a CPU)."""
     import torch
     import torch.nn.functional as F
 
@@ -130,7 +135,8 @@ def matmul_peak(device: str, dtype_name: str, n: int = 2048, budget_s: float = 3
 
     m = 256
     t = once(m)
-    while m < n and 8 * t < budget_s:  # doubling n costs 8x
+    # doubling n costs 8x; on a CPU the size follows the matmul's CPU time, which other processes change little
+    while m < n and 8 * (t if device == "cuda" else cpu[-1]) < budget_s:
         m *= 2
         t = once(m)
     cpu.clear()
@@ -221,13 +227,17 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
 
                 def run() -> None:
                     store = tempfile.mkdtemp(dir=tmp)  # auto: an empty precision.json, as on a first run
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     chosen = resolve_precision(precision, "gpu" if device == "cuda" else "cpu", encoder, sentences,
                                                cache_dir=store, margin=args["precision_margin"])
                     out.setdefault("choose_s", []).append(time.perf_counter() - t0)
-                    if "cache" in out:  # the previous run's entry: free the disk before writing the next
-                        shutil.rmtree(out["cache"].path, ignore_errors=True)
-                    out["cache"] = run_extract(encoder, sentences, device, chosen, tmp, args["split"])
+                    out["choose_cpu_s"] = time.process_time() - c0
+                    with measuring() as times:  # the engine's and the writer's stages, in CPU and wall seconds
+                        if "cache" in out:  # the previous run's entry: free the disk before writing the next
+                            with stage("bench: removing the previous entry"):
+                                shutil.rmtree(out["cache"].path, ignore_errors=True)
+                        out["cache"] = run_extract(encoder, sentences, device, chosen, tmp, args["split"])
+                    out["stages"] = times.as_dict()
                     out["chosen"] = chosen
 
             results.put(dict(side=side, ready=True))
@@ -236,7 +246,8 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
                 c0, t0 = time.process_time(), time.perf_counter()
                 run()
                 sync()
-                results.put(dict(side=side, wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0))
+                results.put(dict(side=side, wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0,
+                                 stages=out.pop("stages", None), choose_cpu_s=out.pop("choose_cpu_s", 0.0)))
 
             if side == "plain":
                 n_sent, lengths, n_bytes, _ = out["r"]
@@ -247,6 +258,7 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
 
                 cache = out["cache"]
                 m = cache.manifest
+                res["profile"] = profiled_run(encoder, sentences, device, out["chosen"], tmp, args["split"])
                 lengths = [e.n_pieces for i, e in enumerate(encode_words(encoder.tokenizer, sentences)) if i in cache]
                 res.update(precision=out["chosen"], requested=precision, choose_s=min(out["choose_s"]),
                            choose_s_per_run=out["choose_s"],
@@ -261,6 +273,21 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
         import traceback
 
         results.put(dict(side=side, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+
+
+def profiled_run(encoder, sentences, device: str, precision: str, tmp: str, split: str) -> dict:
+    """One more extraction (at the chosen precision, untimed by the rounds) under ``torch.profiler``: the operators'
+    self time per stage and group (:func:`probes.maps.timing.op_groups`), which splits the forward's CPU time into
+    matmuls, softmax, the other operators, and Python and dispatch between them."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    c0 = time.process_time()
+    with measuring() as times, torch.profiler.profile(activities=acts) as prof:
+        cache = run_extract(encoder, sentences, device, precision, tmp, split + "-profiled")
+    cpu = time.process_time() - c0
+    shutil.rmtree(cache.path, ignore_errors=True)
+    return dict(cpu_s=cpu, stages=times.as_dict(), groups=op_groups(prof.events()))
 
 
 def machine_busy_s() -> float:
@@ -284,6 +311,8 @@ class Worker:
         self.walls: list[float] = []
         self.cpus: list[float] = []  # CPU seconds of the side's process during each run
         self.others: list[float] = []
+        self.stages: list[dict | None] = []  # each run's stage times (extractor sides)
+        self.choose_cpu: list[float] = []
 
     @property
     def name(self) -> str:
@@ -304,6 +333,8 @@ class Worker:
         busy = machine_busy_s() - busy0
         self.walls.append(r["wall_s"])
         self.cpus.append(r["cpu_s"])
+        self.stages.append(r.get("stages"))
+        self.choose_cpu.append(r.get("choose_cpu_s", 0.0))
         self.others.append(max(0.0, busy - r["cpu_s"]) / (r["wall_s"] * (os.cpu_count() or 1)))
         return r["wall_s"]
 
@@ -312,9 +343,10 @@ class Worker:
         res = self.get()
         self.process.join()
         best = min(range(len(self.walls)), key=self.walls.__getitem__)
-        return dict(res, wall_s=self.walls[best], walls_s=self.walls, cpu_s=min(self.cpus), cpus_s=self.cpus,
-                    others_cpu_fraction=self.others[best],
-                    others_cpu_fractions=self.others)
+        least = min(range(len(self.cpus)), key=self.cpus.__getitem__)  # the run whose stages are reported
+        return dict(res, wall_s=self.walls[best], walls_s=self.walls, cpu_s=self.cpus[least], cpus_s=self.cpus,
+                    others_cpu_fraction=self.others[best], others_cpu_fractions=self.others,
+                    stages=self.stages[least], choose_cpu_s=self.choose_cpu[least])
 
 
 # ----------------------------------------------------------------------------- --check
@@ -411,6 +443,88 @@ def table(rows: list[dict], peaks: dict) -> str:
     return "\n".join([fmt(head), fmt(["-" * x for x in w]), *map(fmt, body)])
 
 
+
+# stages reported, in order: (label, stage names of probes.maps.timing summed into it)
+STAGE_ROWS = [("tokenizing", ("tokenize",)), ("batching (padding, pooling matrices)", ("batch",)),
+              ("pooling to words", ("pool",)), ("device->host copies", ("to host",)),
+              ("writing the cache (slices, CRC-32, writes)", ("write",)),
+              ("finishing the entry (fsync, index, manifest, rename)", ("finalize",)),
+              ("bench: removing the previous run's entry", ("bench: removing the previous entry",))]
+FORWARD_ROWS = [("forward: matmuls (projections, scores, A @ V)", "matmul"),
+                ("forward: softmax", "softmax"),
+                ("forward: the rest (LayerNorm, GELU, adds, copies, masks)", "other"),
+                ("forward: Python and dispatch between operators", "python")]
+HOST_ONLY = ("tokenizing", "batching", "device->host", "writing", "finishing", "forward: Python", "Lightning",
+             "choosing")
+BEHIND = ("batching", "writing")  # host work that the GPU path runs in background threads
+
+
+def breakdown(row: dict, peak: dict | None) -> dict:
+    """Where the side's least-CPU run went: ``rows`` [(label, CPU s)] summing to its CPU time, the forward split by
+    the profiled run's operator shares, and the host-only part (what a GPU leaves to the host)."""
+    st, prof = row.get("stages") or {}, row.get("profile") or {}
+    cpu = lambda names: sum(st.get(n, {}).get("cpu_s", 0.0) for n in names)  # noqa: E731
+    rows = []
+    if row.get("requested") == "auto":
+        rows.append(("choosing the precision (auto, once per machine and shape)", row.get("choose_cpu_s", 0.0)))
+    rows += [(label, cpu(names)) for label, names in STAGE_ROWS[:2]]
+    forward = cpu(["forward"])
+    g = (prof.get("groups") or {}).get("forward", {})
+    ops = {k: g.get(k, 0.0) for k in ("matmul", "softmax", "other")}
+    ops["python"] = max(0.0, g.get("range", 0.0) - sum(ops.values()))
+    total_ops = sum(ops.values())
+    rows += [(label, forward * ops[k] / total_ops if total_ops else 0.0) for label, k in FORWARD_ROWS]
+    rows += [(label, cpu(names)) for label, names in STAGE_ROWS[2:]]
+    rest = row["cpu_s"] - sum(c for _, c in rows)
+    n_batches = st.get("forward", {}).get("calls", 0)
+    rows.append(("Lightning loop, Trainer, Python per batch (the rest)", rest))
+    matmul_s = dict(rows)[FORWARD_ROWS[0][0]]
+    writes = [st.get(n, {}) for n in ("write", "finalize")]
+    write_wall = sum(w.get("wall_s", 0.0) for w in writes)
+    host = sum(c for label, c in rows if label.startswith(HOST_ONLY))
+    main = host - sum(c for label, c in rows if label.startswith(BEHIND))  # what the GPU path leaves on the main thread
+    per_k = 1000 / max(1, row["sentences"])
+    return dict(rows=rows, n_batches=n_batches, rest_per_batch_s=rest / max(1, n_batches),
+                matmul_cpu_s=matmul_s,
+                matmul_fraction_of_peak=(row["flops"] / matmul_s / peak["flops_per_cpu_s"]
+                                         if peak and matmul_s > 0 else None),
+                host_cpu_s=host, host_cpu_s_per_1000_sentences=host * per_k,
+                host_bound_tokens_per_s=row["tokens"] / host if host > 0 else None,
+                main_thread_cpu_s=main, main_thread_cpu_s_per_1000_sentences=main * per_k,
+                main_thread_bound_tokens_per_s=row["tokens"] / main if main > 0 else None,
+                write_wall_s=write_wall, write_mb_per_s=(row.get("cache_bytes") or 0) / write_wall / 1e6
+                if write_wall > 0 else None,
+                profiled_cpu_s=prof.get("cpu_s"))
+
+
+def breakdown_table(row: dict, b: dict, peak: dict | None) -> str:
+    """The breakdown as text: seconds and shares, with the matmul-peak ratios beside."""
+    name = f"extract {row['precision']}" + (" (auto)" if row.get("requested") == "auto" else "")
+    w = max(len(label) for label, _ in b["rows"])
+    profiled = f", that run {b['profiled_cpu_s']:.2f} CPU-s" if b["profiled_cpu_s"] else ""
+    lines = [f"where the CPU time of {name} goes (its least-CPU run, {row['cpu_s']:.2f} CPU-s, {b['n_batches']} "
+             f"batches; stages timed by thread CPU time, the forward split by one profiled run's operator self "
+             f"times{profiled}):",
+             f"  {'stage'.ljust(w)}  CPU s   share", f"  {'-' * w}  -----  ------"]
+    for label, c in b["rows"]:
+        lines.append(f"  {label.ljust(w)}  {c:5.2f}  {c / row['cpu_s']:6.1%}")
+    if peak and b["matmul_fraction_of_peak"]:
+        lines.append(f"  useful FLOPs over the matmuls' CPU time: {b['matmul_fraction_of_peak']:.0%} of the "
+                     f"{peak['dtype']} matmul peak (the whole run: {row['fraction_of_matmul_peak_cpu_time']:.0%}); "
+                     f"the rest per batch {1e3 * b['rest_per_batch_s']:.1f} ms")
+    lines.append(f"  host-only work (tokenizing, batching, copies, writing, finishing, the forward's Python and "
+                 f"dispatch, the Lightning loop{', choosing' if row.get('requested') == 'auto' else ''}): "
+                 f"{b['host_cpu_s']:.2f} CPU-s, {b['host_cpu_s_per_1000_sentences']:.2f} per 1,000 sentences: "
+                 f"on a GPU the host alone allows at most {b['host_bound_tokens_per_s']:,.0f} tok/s without overlap; "
+                 f"with batching and writing in background threads (the GPU path) the main thread keeps "
+                 f"{b['main_thread_cpu_s_per_1000_sentences']:.2f} CPU-s per 1,000 sentences, at most "
+                 f"{b['main_thread_bound_tokens_per_s']:,.0f} tok/s")
+    if b["write_mb_per_s"]:
+        lines.append(f"  cache written at {b['write_mb_per_s']:.0f} MB/s ({row['cache_bytes'] / 1e6:.1f} MB in "
+                     f"{b['write_wall_s']:.2f} s wall, writing and finishing)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--encoder", default="minilm", help="minilm | bert-base-random | hub id | local folder")
@@ -503,6 +617,11 @@ def main(argv: list[str] | None = None) -> int:
           f"others' CPU: share of the machine's CPU time other processes used while that side ran"
           + (f"; up to {others:.0%}: these timings are slowed by them, the one-sentence loop most" if others > 0.1
              else "") + ")")
+    for r in rows[1:]:
+        peak = peaks.get(PEAK_DTYPE.get(r["precision"], ""))
+        r["breakdown"] = breakdown(r, peak)
+        print()
+        print(breakdown_table(r, r["breakdown"], peak))
     result = dict(machine=info, encoder=a.encoder, split=a.split, sentences=a.sentences, threads=a.threads or None,
                   rounds=len(peak_runs[dtypes[0]]), matmul_peak=peaks, rows=rows)
 

@@ -24,6 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
@@ -31,6 +32,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from probes.analysis.context import AnalysisContext, AnalysisResult, analysis_config, resolve_device, run_analysis
+from probes.analysis.naming import head_name
+from probes.analysis.plots import word_map_axes
 from probes.config import compose
 from probes.data.conllu import Sentence, read_conllu, read_text, sentence_from_words, write_conllu_with_heads
 from probes.data.sources import Treebank
@@ -39,10 +42,11 @@ from probes.maps import MapEngine
 from probes.model.inputs import check_words, encode_words
 from probes.model.load import HEADS, Encoder, file_digest
 from probes.model.load import load_encoder as load_pretrained
+from probes.report.mapview import KindMaps, write_view
 from probes.resolvers import unique_now
 
 __all__ = ["AnalysisResult", "WordMaps", "analyze", "load_encoder", "read_conllu", "read_text", "treebank",
-           "word_maps"]
+           "view", "word_maps"]
 
 # Word maps of more sentences than this show a progress bar (when ``progress`` is None).
 PROGRESS_MIN_SENTENCES = 32
@@ -60,8 +64,10 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
             its exported folder (holding ``glue_task.json``), read by :func:`probes.glue.export.load_finetuned`.
         head: ``base`` (the encoder), ``mlm`` or ``sequence_classification``; for a fine-tuned classifier
             ``base`` is the encoder inside it and ``sequence_classification`` the whole classifier.
-        **kwargs: Passed to the loader: ``name`` (part of cache keys), and for hub ids and folders
-            ``revision``, ``random_init``, ``seed``, ``local_files_only``.
+        **kwargs: Passed to the loader: ``name`` (part of cache keys), and for hub ids, folders and ``.gguf`` files
+            ``revision``, ``random_init``, ``seed``, ``local_files_only``, ``dtype`` (the weights' dtype:
+            ``"float32"``, the default, ``"bfloat16"`` or ``"float16"``), ``device_map`` (``"auto"`` or
+            ``{module: device}``: a model placed across devices), ``max_memory``, ``offload_folder``.
 
     Returns:
         The :class:`~probes.model.load.Encoder` (``.model``, ``.tokenizer``, ``.num_layers``, ``.num_heads``).
@@ -142,6 +148,51 @@ class WordMaps:
         return pd.DataFrame({"layer": lay.ravel(), "head": head.ravel(), "from": i.ravel(), "to": j.ravel(),
                              "from_label": labels[i.ravel()], "to_label": labels[j.ravel()],
                              "value": self.maps.reshape(-1)})
+
+    def map_name(self, layer: int, head: int = 0) -> str:
+        """The map's name in titles: ``"<kind> <layer>-<head>"`` (1-based, :func:`probes.analysis.naming.head_name`),
+        ``"<kind> layer <layer>"`` (1-based) for per-layer kinds."""
+        if self.maps.shape[1] == 1:
+            return f"{self.kind} layer {int(layer) + 1}"
+        return f"{self.kind} {head_name(layer, head)}"
+
+    def plot(self, layer: int, head: int = 0, ax=None, **kwargs: Any):
+        """One map as a labelled heatmap: rows = from, columns = to, ticked with :attr:`labels`; the title names
+        the kind and the head (1-based ``layer-head``).
+
+        Args:
+            layer: Model layer (0-based; one of ``layers``).
+            head: Head (0-based; 0 for per-layer kinds).
+            ax: Matplotlib Axes to draw on; None: a new figure sized to the sentence.
+            **kwargs: For :func:`probes.analysis.plots.word_map_axes`: ``cmap`` (None: ``Blues`` from 0, or
+                ``RdBu_r`` centred on 0 for a map with negative values), ``vmin``, ``vmax``, ``title``,
+                ``colorbar``.
+
+        Returns:
+            The matplotlib Axes (its figure: ``ax.figure``).
+        """
+        if not 0 <= head < self.maps.shape[1]:
+            raise ValueError(f"head {head} does not exist: {self.kind} maps have heads 0..{self.maps.shape[1] - 1}")
+        m = self.frame(layer, head).to_numpy()  # (R, R)
+        if ax is None:
+            R = len(self.labels)
+            _, ax = plt.subplots(figsize=(0.32 * R + 2.4, 0.32 * R + 1.6))
+        kwargs.setdefault("title", self.map_name(layer, head))
+        word_map_axes(ax, m, self.labels, **kwargs)
+        ax.figure.tight_layout()
+        return ax
+
+    def view(self, path: str | os.PathLike, title: str = "") -> Path:
+        """Write these maps as one self-contained HTML page (:func:`view`).
+
+        Args:
+            path: The ``.html`` file.
+            title: The page's heading (default: the sentence).
+
+        Returns:
+            The path written.
+        """
+        return view(self, path, title=title)
 
     def __repr__(self) -> str:
         return f"WordMaps(kind={self.kind!r}, maps={tuple(self.maps.shape)}, labels={self.labels})"
@@ -230,6 +281,33 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
         rows, labels = _rows(tok, encoded[i], words[i])  # maps: (L', H', W, W)
         out[i] = WordMaps(words[i], labels, maps[:, :, rows][:, :, :, rows].cpu().numpy(), chosen, kind)
     return out
+
+
+def view(maps: WordMaps | Sequence[WordMaps], path: str | os.PathLike, title: str = "") -> Path:
+    """One sentence's maps of one or more kinds as a self-contained HTML page (no network; the maps embedded as
+    JSON): a layer x head grid of thumbnails and a large view of the selected map, as lines between words or
+    as a matrix; the kind, the layer-head and the view are chosen on the page (:mod:`probes.report.mapview`).
+
+    ``probes-view sentence="..." kinds=[attention,alti]`` (conf/view.yaml) writes the same page.
+
+    Args:
+        maps: The :class:`WordMaps` of one sentence: one, or one per kind (e.g. ``word_maps(enc, [s], kind=k)[0]``
+            for several ``k``).
+        path: The ``.html`` file to write, atomically (its folder is created).
+        title: The page's heading; default: the sentence's words.
+
+    Returns:
+        The path written.
+    """
+    maps = [maps] if isinstance(maps, WordMaps) else list(maps)
+    if not maps:
+        raise ValueError("no maps given: pass the WordMaps of one sentence")
+    for m in maps[1:]:
+        if m.labels != maps[0].labels:
+            raise ValueError(f"maps of different sentences: {m.kind} has labels {m.labels}, {maps[0].kind} has "
+                             f"{maps[0].labels}; one page shows one sentence")
+    kinds = [KindMaps(m.kind, m.maps, m.layers) for m in maps]
+    return write_view(path, maps[0].labels, kinds, title=title or " ".join(maps[0].words))
 
 
 def _rows(tokenizer, e, words: list[str]) -> tuple[list[int], list[str]]:

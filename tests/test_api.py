@@ -31,7 +31,7 @@ SENTS = [["The", "dog", "barked", "."], ["John", "'s", "unbelievably-comfortable
          ["Hi"]]
 FIRST_LAST = {"bert": ("[CLS]", "[SEP]"), "distilbert": ("[CLS]", "[SEP]"), "electra": ("[CLS]", "[SEP]"),
               "albert": ("[CLS]", "[SEP]"), "deberta-v2": ("[CLS]", "[SEP]"), "modernbert": ("[CLS]", "[SEP]"),
-              "roberta": ("<s>", "</s>"), "xlm-roberta": ("<s>", "</s>")}
+              "roberta": ("<s>", "</s>"), "xlm-roberta": ("<s>", "</s>"), "mpnet": ("<s>", "</s>")}
 KINDS = list(compose("analyze").extract.measures)
 CPU = ["extract.precision=32-true", "extract.trainer.accelerator=cpu"]
 

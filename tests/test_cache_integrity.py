@@ -18,8 +18,8 @@ from hydra.utils import instantiate
 
 from probes.extract import cache as C
 from probes.extract import runner
+from probes.extract.attention_caches import ATTENTION, ensure_caches
 from probes.extract.representations import HiddenStates
-from probes.extract.run import ATTENTION, ensure_caches
 from probes.extract.runner import TreebankSplit
 from tests.conftest import chain_overrides, compose_train, write_chain_splits
 

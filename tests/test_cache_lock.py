@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from hydra.utils import instantiate
 
+from probes.extract.attention_caches import ATTENTION, ensure_caches
 from probes.extract.cache import build_lock
-from probes.extract.run import ATTENTION, ensure_caches
 from probes.extract.runner import TreebankSplit, entry_path
 from probes.extract.settings import ExtractSettings
 from probes.train import train

@@ -19,7 +19,7 @@ from probes.config import ConfigTypeError, check_types
 from probes.extract import cache as C
 from probes.extract import precision as P
 from probes.extract import stage, writer
-from probes.extract.run import ensure_caches
+from probes.extract.attention_caches import ensure_caches
 from probes.extract.settings import ExtractSettings
 from probes.io import DiskFullError, atomic_write, atomic_write_text
 from probes.model import load as L

@@ -16,9 +16,9 @@ from probes.analysis.clark import coref_heads, dep_heads
 from probes.analysis.clark.coref_heads import coref_source
 from probes.data.sources import Treebank
 from probes.extract import precision as P
+from probes.extract.attention_caches import ensure_cache, ensure_caches
 from probes.extract.cache import AttentionCache, cache_key, entry_dir
 from probes.extract.representations import HiddenStates
-from probes.extract.run import ensure_cache, ensure_caches
 from probes.extract.runner import TreebankSplit, entry_path
 from probes.extract.settings import ExtractSettings
 from probes.extract.precision import precision_timer, timing_batches

@@ -19,7 +19,7 @@ from tests.conftest import ROOT, write_chain_splits
 PARENT = textwrap.dedent("""
     import sys
     from hydra.utils import instantiate
-    from probes.extract.run import ensure_caches
+    from probes.extract.attention_caches import ensure_caches
     from tests.conftest import chain_overrides, compose_train
     data, tmp = sys.argv[1], sys.argv[2]
     from pathlib import Path

@@ -18,8 +18,9 @@ from omegaconf import OmegaConf
 from scipy.stats import spearmanr
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from probes.analysis.beyond.faithfulness import (METRICS, Classifier, make_items, map_importance, merge, paper_numbers,
-                                                 score_example, top_counts)
+from probes.analysis.beyond.faithfulness import (METRICS, Classifier, ExampleChoice, Scoring, compute, make_items,
+                                                 map_importance, merge, paper_numbers, partial_writer, score_example,
+                                                 top_counts)
 from probes.analysis.context import AnalysisContext, run_analysis
 from probes.stats import bootstrap_mean
 from probes.data.glue import GlueExample
@@ -313,6 +314,35 @@ def test_analysis_runs_for_every_family(root, family, tmp_path):
         assert (out / "faithfulness.png").exists() and (out / "faithfulness_layers.png").exists()
         s = json.loads((out / "summary.json").read_text())["tasks"][task]
         assert s["n_examples"] == 2 and set(s["seconds_per_kind"]) >= set(kinds)
+
+
+def test_compute_writes_only_the_partial_rows_and_removes_them(root, tmp_path):
+    """compute writes nothing but the rows so far (every log_every examples, through its writer), removed at the
+    end of the task; bad settings are named by their key."""
+    out = tmp_path / "out"
+    run = make_run("bert", "sst2", root)
+    ctx = AnalysisContext.create("faithfulness", out, overrides=[f"paths.data_dir={root}",
+                                                                 f"paths.cache_dir={root / 'cache'}"],
+                                 params=dict(checkpoint=str(run)))
+    path, write, seen = out / "faithfulness_examples.partial.csv", partial_writer(out), []
+    before = sorted(out.iterdir())  # the context's own records
+
+    def spy(suffix, rows):
+        write(suffix, rows)
+        seen.append((suffix, None if rows is None else len(pd.read_csv(path)), path.exists()))
+
+    scoring = Scoring(kinds=("attention",), references=("ixg", "loo", "random"), ig_steps=2)
+    result = compute(ctx, ExampleChoice(checkpoint=str(run), max_examples=3), scoring, {"attention": Attention()},
+                     n_boot=10, log_every=1, partial=spy)
+    [task] = result.tasks
+    per = len(task.examples) // 3  # rows per example: the attention layers and the references
+    assert per == 2 + 3 and task.n_examples == 3
+    assert seen == [("", per, True), ("", 2 * per, True), ("", None, False)]
+    assert sorted(out.iterdir()) == before
+    with pytest.raises(ValueError, match="analysis.erase"):
+        Scoring(erase="blank")
+    with pytest.raises(ValueError, match="analysis.references"):
+        Scoring(references=("ixg", "shap"))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

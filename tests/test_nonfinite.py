@@ -12,7 +12,7 @@ import pytest
 from hydra.utils import instantiate
 
 from probes.extract import cache as C
-from probes.extract.run import ensure_caches
+from probes.extract.attention_caches import ensure_caches
 from probes.train import NonFiniteMetricsError, _fit_and_test, train
 from probes.training.module import NonFiniteInputError
 from tests.conftest import chain_overrides, compose_train

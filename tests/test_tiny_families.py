@@ -61,7 +61,7 @@ def test_loads_offline(folder, family):
     assert model.config.hidden_size == SIZES["hidden"]
     assert model.config.vocab_size == len(tok)
     assert model.config.pad_token_id == tok.pad_token_id
-    expected_positions = SIZES["max_positions"] + (2 if family in ("roberta", "xlm-roberta") else 0)
+    expected_positions = SIZES["max_positions"] + (2 if family in ("roberta", "xlm-roberta", "mpnet") else 0)
     assert config.max_position_embeddings == expected_positions
     if family in ("roberta", "xlm-roberta"):
         assert tok.pad_token_id == 1 and tok.cls_token == "<s>" and tok.sep_token == "</s>"

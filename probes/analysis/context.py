@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from probes.config import CONF_DIR, check_types, compose, plain
 from probes.data.sources import Treebank
-from probes.extract.run import ensure_cache
+from probes.extract.attention_caches import ensure_cache
 from probes.extract.settings import ExtractSettings
 from probes.io import atomic_write
 from probes.measures import build, from_config

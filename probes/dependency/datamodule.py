@@ -14,16 +14,16 @@ from torch.utils.data import Dataset
 
 from probes.data.conllu import Sentence
 from probes.data.glove import vector_rows
+from probes.extract.attention_caches import ensure_caches
 from probes.extract.cache import AttentionCache
-from probes.extract.run import ensure_caches
-from probes.training.datamodule import TreebankDataModule, TreebankSplit
+from probes.training.datamodule import LoadedSplit, TreebankDataModule
 from probes.training.module import count_nonfinite
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class SplitData(TreebankSplit):
+class SplitData(LoadedSplit):
     """One split as compact per-sentence arrays, plus each sentence's rows in the word-vector table."""
 
     words: list[tuple[str, ...]] | None = None  # until the GloVe rows are attached, then dropped
@@ -87,7 +87,7 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
 
 
 class DependencyDataModule(TreebankDataModule):
-    """Cached word-level attention maps of every split (:func:`probes.extract.run.ensure_caches`) and the
+    """Cached word-level attention maps of every split (:func:`probes.extract.attention_caches.ensure_caches`) and the
     GloVe rows of their words; everything else as :class:`probes.training.datamodule.TreebankDataModule`.
 
     Args:
@@ -108,7 +108,7 @@ class DependencyDataModule(TreebankDataModule):
         self.num_layers = self.num_heads = None
 
     def build_caches(self, splits: list[str]) -> dict[str, AttentionCache]:
-        """Word-level attention caches (:func:`probes.extract.run.ensure_caches`)."""
+        """Word-level attention caches (:func:`probes.extract.attention_caches.ensure_caches`)."""
         return ensure_caches(self.encoder_cfg, self.treebank, splits, self.extract_cfg, self.cache_dir,
                              self.max_sentences, child=self.extract_in_child)
 

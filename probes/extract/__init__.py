@@ -3,5 +3,6 @@
 :mod:`.settings` (the ``extract`` node as one object), :mod:`.cache` (on-disk format, the cache key of every
 kind, build lock), :mod:`.stage` (attention maps on Lightning's predict loop), :mod:`.representations`
 (hidden states), :mod:`.runner` (find or build an entry of any kind, in a child process if asked),
-:mod:`.run` (the attention caches of treebank splits), :mod:`.precision` (``precision=auto``).
+:mod:`.attention_caches` (the attention caches of treebank splits; ``python -m probes.extract``),
+:mod:`.precision` (``precision=auto``).
 """

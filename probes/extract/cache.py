@@ -1,4 +1,5 @@
-"""Keyed, versioned on-disk cache of word-level attention maps (and the key of every cache kind).
+"""Keyed, versioned on-disk cache of word-level attention maps, and what every cache kind shares: the key, the
+shard writer, the build lock, integrity checks and the reader base :class:`CacheEntry`.
 
 Layout of one cache entry (read lazily, one sentence at a time) `<cache_dir>/attention/<slug>-<hash>/`:
   manifest.json        key, sizes, shard list, skipped sentences (written last)
@@ -316,11 +317,15 @@ def set_aside(path: str | Path, reason: str = "") -> Path:
     return dest
 
 
-class AttentionCache:
-    """Read-only view of a complete cache entry; maps are read lazily. The entry's files are checked against
-    its manifest's checksums when it is first opened in a process (:func:`verify`; :class:`CacheDamaged`)."""
+class CacheEntry:
+    """Read-only view of a complete cache entry of any kind: its manifest (format checked), each sentence's
+    shard, offset and size from the shards' indexes, blocks read lazily with ``os.pread``. The entry's files are
+    checked against its manifest's checksums when it is first opened in a process (:func:`verify`;
+    :class:`CacheDamaged`). A subclass says what a sentence's block is (:class:`AttentionCache`,
+    :class:`probes.extract.representations.RepresentationCache`).
+    """
 
-    what = "attention"  # in errors: the kind of entry
+    what = "cache"  # in errors: the kind of entry
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -336,11 +341,8 @@ class AttentionCache:
         verify(self.path, self.manifest)
         if self.manifest["format_version"] != FORMAT_VERSION:
             raise ValueError(f"{manifest}: cache format {self.manifest['format_version']}, expected {FORMAT_VERSION}")
-        self.num_layers = self.manifest["num_layers"]  # L of the stored maps: len(layers)
-        self.num_heads = self.manifest["num_heads"]
-        self.layers: list[int] = list(self.manifest["layers"])  # the model's 0-based layer of each stored one
         n = self.manifest["n_sentences"]
-        self._where = np.full((n, 3), -1, dtype=np.int64)  # (N, 3): shard, offset, side
+        self._where = np.full((n, 3), -1, dtype=np.int64)  # (N, 3): shard, element offset, size (index column 2)
         for s, shard in enumerate(self.manifest["shards"]):
             idx = np.load(self.path / index_name(shard))
             self._where[idx[:, 0], 0] = s
@@ -356,18 +358,19 @@ class AttentionCache:
     def __contains__(self, i: int) -> bool:
         return self._where[i, 0] >= 0
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        """(L, H, W, W) float16 maps of sentence i, read from disk on each call.
-
-        Reads copy (os.pread) rather than memory-map, so pages of a cache larger than memory never
-        accumulate in the reading process.
-        """
-        shard, offset, side = (int(v) for v in self._where[i])
+    def _locate(self, i: int) -> tuple[int, int, int]:
+        """(shard, element offset, size: the index's third column) of sentence ``i``; KeyError when skipped."""
+        shard, offset, size = (int(v) for v in self._where[i])
         if shard < 0:
             raise KeyError(f"sentence {i} is not in cache {self.path} (skipped: longer than the encoder's maximum)")
+        return shard, offset, size
+
+    def _read(self, i: int, shard: int, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The float16 block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors), copied
+        from disk (``os.pread``, not a memory map, so pages of a cache larger than memory never accumulate in the
+        reading process); :class:`CacheDamaged` when the shard ends early."""
         if self._fds is None:
             self._fds = [os.open(self.path / s, os.O_RDONLY) for s in self.manifest["shards"]]
-        shape = (self.num_layers, self.num_heads, side, side)
         nbytes = 2 * int(np.prod(shape))
         buf = os.pread(self._fds[shard], nbytes, 2 * offset)
         if len(buf) != nbytes:
@@ -381,3 +384,20 @@ class AttentionCache:
     def __del__(self):
         for fd in getattr(self, "_fds", None) or []:
             os.close(fd)
+
+
+class AttentionCache(CacheEntry):
+    """An entry of word-level maps (any map kind): sentence i with n words is (L, H, W, W), W = n + 2."""
+
+    what = "attention"
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        self.num_layers = self.manifest["num_layers"]  # L of the stored maps: len(layers)
+        self.num_heads = self.manifest["num_heads"]
+        self.layers: list[int] = list(self.manifest["layers"])  # the model's 0-based layer of each stored one
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """(L, H, W, W) float16 maps of sentence i, read from disk on each call."""
+        shard, offset, side = self._locate(i)
+        return self._read(i, shard, offset, (self.num_layers, self.num_heads, side, side))

@@ -29,7 +29,7 @@ from lightning_fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_ST
 from probes.io import atomic_write_text
 from probes.maps import MapEngine, encode_all
 from probes.measures.attention import Attention
-from probes.model.frozen import compute_in
+from probes.model.frozen import check_compute, compute_in, computes_in
 from probes.model.inputs import Encoded
 
 try:  # not on every platform: `locked` then does not lock
@@ -79,6 +79,12 @@ def candidates(device: str) -> list[str]:
     if device == "cuda":
         return ["16-mixed", *(["bf16-mixed"] if torch.cuda.is_bf16_supported() else []), "32-true"]
     return ["32-true", *(["bf16-mixed"] if cpu_has_bf16() else [])]
+
+
+def candidates_for(device: str, weights: torch.dtype = torch.float32) -> list[str]:
+    """:func:`candidates` that compute on weights of dtype ``weights`` (``encoder.dtype``;
+    :func:`probes.model.frozen.computes_in`)."""
+    return [c for c in candidates(device) if computes_in(c, weights) is not None]
 
 
 def cpu_name() -> str:
@@ -236,7 +242,7 @@ def record(precision: str, accelerator: str = "auto", encoder=None, cache_dir: s
     if precision != "auto":
         return dict(out, precision=str(precision), decided_by="config")
     device = device_of(accelerator)
-    cands = candidates(device)
+    cands = candidates_for(device, getattr(encoder, "dtype", torch.float32))
     out.update(device=device, cpu=cpu_name(), candidates=cands, margin=margin)
     if len(cands) == 1:
         return dict(out, precision=cands[0], decided_by="only candidate")
@@ -327,13 +333,15 @@ def resolve_precision(precision: str, accelerator: str = "auto", encoder=None, s
     needs to be chosen (``extract.precision_margin``; required for ``auto``). Without an encoder, ``auto`` is
     the first candidate (``32-true`` on a CPU, ``16-mixed`` on a GPU), unmeasured.
     """
+    weights = getattr(encoder, "dtype", torch.float32)  # encoder.dtype: the precisions that compute on them
     if check_precision(precision) != "auto":
+        check_compute(weights, str(precision))
         return str(precision)
     if margin is None:
         raise ValueError("extract.precision=auto needs extract.precision_margin (the speed-up over 32-true that "
                          "another precision must show to be chosen; conf/extract/default.yaml)")
     device = device_of(accelerator)
-    cands = candidates(device)
+    cands = candidates_for(device, weights)
     if len(cands) == 1:
         if device not in _SAID:
             _SAID.add(device)

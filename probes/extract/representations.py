@@ -19,7 +19,6 @@ training process never holds the encoder.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,14 +63,17 @@ class HiddenShardWriter(cache.ShardWriter):
         self._offset += states.size
 
 
-class RepresentationCache(cache.AttentionCache):
-    """Read-only view of a complete hidden-state entry; states are read lazily, one sentence at a time."""
+class RepresentationCache(cache.CacheEntry):
+    """A hidden-state entry: sentence i with n words is (L', n, D); states are read lazily, one sentence (or one
+    layer of it) at a time."""
 
     what = "hidden-state"
 
     def __init__(self, path: str | Path):
         super().__init__(path)
-        self.layers: list[int] = list(self.manifest["layers"])
+        self.num_layers = self.manifest["num_layers"]  # the encoder's layers (not the stored ones: ``layers``)
+        self.num_heads = self.manifest["num_heads"]
+        self.layers: list[int] = list(self.manifest["layers"])  # stored layers, increasing (0 = embedding output)
         self.dim: int = int(self.manifest["dim"])
 
     def position(self, layer: int) -> int:
@@ -81,27 +83,19 @@ class RepresentationCache(cache.AttentionCache):
                            "add it to data.hidden.layers")
         return self.layers.index(layer)
 
-    def _read(self, i: int, first: int, count: int) -> np.ndarray:
-        shard, offset, n = (int(v) for v in self._where[i])
-        if shard < 0:
-            raise KeyError(f"sentence {i} is not in cache {self.path} (skipped: longer than the encoder's maximum)")
-        if self._fds is None:
-            self._fds = [os.open(self.path / s, os.O_RDONLY) for s in self.manifest["shards"]]
+    def _layers(self, i: int, first: int, count: int) -> np.ndarray:
+        """(count, n, D) float16 states of sentence i at stored positions ``first`` .. ``first + count - 1``."""
+        shard, offset, n = self._locate(i)
         block = n * self.dim
-        nbytes = 2 * count * block
-        buf = os.pread(self._fds[shard], nbytes, 2 * (offset + first * block))
-        if len(buf) != nbytes:
-            raise cache.CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
-                                     self.manifest.get("command") or cache.build_command(self.manifest.get("key", {})))
-        return np.frombuffer(buf, dtype=np.float16).reshape(count, n, self.dim)
+        return self._read(i, shard, offset + first * block, (count, n, self.dim))
 
     def __getitem__(self, i: int) -> np.ndarray:
         """(L', n, D) float16 states of sentence i (every stored layer)."""
-        return self._read(i, 0, len(self.layers))
+        return self._layers(i, 0, len(self.layers))
 
     def layer(self, i: int, layer: int) -> np.ndarray:
         """(n, D) float16 states of sentence i at ``layer`` (only that layer is read from disk)."""
-        return self._read(i, self.position(layer), 1)[0]
+        return self._layers(i, self.position(layer), 1)[0]
 
 
 # ----------------------------------------------------------------------------- extraction

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class AttentionExtractor(pl.LightningModule):
     """Predict-only LightningModule around a :class:`~probes.maps.MapEngine`: each step is the engine's word maps
-    of one batch, in float16, on the CPU.
+    of one batch, in float16, on the batch's device (:class:`~probes.extract.writer.CacheWriter` copies them to
+    the host).
 
     Args:
         engine: The engine; its model is this module's ``model`` (Lightning moves it to the Trainer's device).
@@ -44,7 +45,8 @@ class AttentionExtractor(pl.LightningModule):
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int = 0) -> dict[str, torch.Tensor]:
         maps = self.engine.word_maps(batch)  # (B, L', H', W, W) float16
-        return dict(maps=maps.cpu(), index=batch["index"].cpu(), n_words=batch["n_words"].cpu())
+        # on the batch's device: the writer copies them to the host (asynchronously from a GPU)
+        return dict(maps=maps, index=batch["index"], n_words=batch["n_words"])
 
 
 def extract(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
@@ -108,7 +110,8 @@ def _extract(
     writer = CacheWriter(final_dir, manifest)
     # progress lines in the run's log when no one watches a terminal (the Lightning bar shows it there)
     t = trainer(callbacks=[writer, ProgressCallback(desc=f"{maps} extraction")])
-    loader = DataLoader(engine.dataset(kept, keep, batches), batch_size=None, num_workers=num_workers,
+    loader = DataLoader(engine.dataset(kept, keep, batches, device=t.strategy.root_device if not num_workers else None),
+                        batch_size=None, num_workers=num_workers,
                         persistent_workers=False, pin_memory=False)
     log.info("extracting attention: %d sentences, %d batches -> %s", len(kept), len(batches), final_dir)
     log.info("map kind: %s", maps)

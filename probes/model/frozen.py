@@ -13,6 +13,11 @@ at every call, and the GELU of a transformers ``*Intermediate`` block (``dense``
 BERT/RoBERTa/ELECTRA/MiniLM) is fused into its ``dense`` projection as a oneDNN post-op. A BERT-style encoder
 (:func:`probes.model.packed.bert_style_encoder`, by structure) also gets the forward of
 :mod:`probes.model.packed`: hidden states on packed (unpadded) rows, fused Q/K/V, padded only for the attention.
+
+Weights loaded in bfloat16 or float16 (``encoder.dtype``, :mod:`probes.model.load`) are computed in that dtype:
+``32-true`` adds no casts (the cache key names the weights' dtype, so such maps never pass for float32 ones) and the
+mixed precision of the same dtype holds them as they are; a precision that would round them again to the other half
+dtype is refused (:func:`check_compute`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def packed_linear_supported(model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether :func:`held_in` runs ``model``'s linear layers as oneDNN bf16 linears on packed weights."""
     p = next(model.parameters(), None)
     return (dtype == torch.bfloat16 and p is not None and p.device.type == "cpu"
+            and not any(q.is_meta for q in model.parameters())  # offloaded layers (encoder.device_map): weights load per call
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -72,11 +78,16 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     patched: list[nn.Module] = []  # linear layers whose forward was replaced
     acts: list[tuple[nn.Module, nn.Module]] = []  # (*Intermediate block, its GELU) fused into its dense layer
     restores: list = []  # functions restoring the encoders given the packed-rows forward
+    offloaded: list[tuple[nn.Module, str, nn.Parameter]] = []  # (module, name, meta parameter) replaced in dtype
     try:
         for m in model.modules():
             for table, is_param in ((m._parameters, True), (m._buffers, False)):
-                for name, t in table.items():
+                for name, t in list(table.items()):
                     if t is None or not t.is_floating_point() or t.dtype == dtype:  # a tied one: cast already
+                        continue
+                    if is_param and t.is_meta:  # offloaded (encoder.device_map): loaded per call in its dtype
+                        offloaded.append((m, name, t))
+                        table[name] = nn.Parameter(t.data.to(dtype), requires_grad=t.requires_grad)
                         continue
                     saved.append((m, name, is_param, t.data))
                     if is_param:
@@ -116,11 +127,48 @@ def held_in(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
                 m._parameters[name].data = data
             else:
                 m._buffers[name] = data
+        for m, name, param in reversed(offloaded):
+            m._parameters[name] = param
 
 
 # ----------------------------------------------------------------------------- compute dtypes of a precision
 LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # autocast's compute dtype
 HELD = {"bf16-mixed": torch.bfloat16}  # mixed precisions whose attention extraction holds the whole model in it
+HALF = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "bf16": torch.bfloat16,
+        "16-mixed": torch.float16, "16-true": torch.float16, "16": torch.float16}
+NO_CAST = ("32-true", "32")  # precisions that compute in the weights' own dtype
+
+
+def computes_in(precision: str, weights: torch.dtype) -> torch.dtype | None:
+    """The dtype a forward under ``precision`` computes in on ``weights`` of that dtype; None when it cannot be
+    honoured: half weights (``encoder.dtype``) under a precision of the other half dtype, or of float64 (the
+    weights would be rounded twice, or widened after rounding).
+
+    Float32 weights: the precision's own dtype. bfloat16 or float16 weights: their dtype, under ``32-true``
+    (no casts) or the mixed and true precisions of that same dtype."""
+    precision = str(precision)
+    if weights == torch.float32:
+        return HALF.get(precision, torch.float64 if precision.startswith("64") else torch.float32)
+    if precision in NO_CAST or HALF.get(precision) == weights:
+        return weights
+    return None
+
+
+def check_compute(weights: torch.dtype, precision: str) -> torch.dtype:
+    """:func:`computes_in`, or a ValueError naming ``extract.precision`` and ``encoder.dtype`` and what fits."""
+    dtype = computes_in(precision, weights)
+    if dtype is None:
+        name = str(weights).removeprefix("torch.")
+        fits = "bf16-mixed" if weights == torch.bfloat16 else "16-mixed"
+        raise ValueError(f"extract.precision={precision} does not go with encoder.dtype={name}: the weights are held "
+                         f"in {name}, and this precision would compute in another dtype after rounding them; use "
+                         f"extract.precision=32-true or {fits} (both compute in {name}), or encoder.dtype=float32")
+    return dtype
+
+
+def weights_dtype_of(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s floating parameters (the first one's; float32 without any)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 @contextmanager
@@ -154,7 +202,9 @@ def compute_in(model: nn.Module, precision: str) -> Iterator[torch.dtype]:
     bf16-mixed: the whole model held in bf16 (:func:`held_in`: no casts; oneDNN packed linear layers on a CPU,
     BERT-style encoders on packed rows, :mod:`probes.model.packed`) and words pooled in bf16 (matmuls accumulate
     in float32); 16-mixed: the linear layers' weights in float16 (:func:`linears_in`); others: nothing changes.
-    Pooling in float32 unless held."""
+    Pooling in float32 unless held. Weights in bfloat16 or float16 are checked against the precision first
+    (:func:`check_compute`: a ValueError naming ``extract.precision`` and ``encoder.dtype``)."""
+    check_compute(weights_dtype_of(model), precision)
     dtype = HELD.get(str(precision))
     if dtype is None:
         with linears_in(model, precision):

@@ -20,6 +20,11 @@ project's attention function can
 Layer indices come from the order in which the attention sites are called in one forward
 (:func:`probes.model.structure.attention_sites`), so shared-weight layers (ALBERT) work too. While a session
 is active it is set on the model's attention modules; a second session on the same model is an error.
+
+A model placed across devices (``encoder.device_map``) runs each layer on its own device: what a session keeps is
+gathered to the device of the forward's inputs, so ``probs``, values and internals of all layers sit on one device
+as for a model on one device. A tensor that requires grad stays on its layer's device (a copy would be cut off
+from the graph: its ``.grad`` never set, ``autograd.grad`` unable to reach it).
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ class Session:
         self.norm_input: dict[int, torch.Tensor] = {}     # layer -> (B, T, D) its input, sub-layer norms only
         self._last_layer = -1
         self._block_calls = 0
+        self.device: torch.device | None = None  # where the forward's inputs are: what is kept is gathered there
         self.keep_blocks = internals or block_io
         self._need_blocks = self.keep_blocks or bool(self.block_inputs) or stop_block is not None
         self.parts = layer_parts(model) if internals else None
@@ -144,8 +150,15 @@ class Session:
         if layer in self.capture:
             if self.retain_grad and w.requires_grad:
                 w.retain_grad()
-            self.probs[layer] = w
+            self.probs[layer] = self._gather(w)
         return w
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the inputs' device (layers of a placed model run on several); as it is when it is there
+        already, when the device is unknown, or when ``t`` requires grad (see the module docstring)."""
+        if self.device is None or t.device == self.device or t.requires_grad:
+            return t
+        return t.to(self.device)
 
     def _edit_value(self, layer: int, value: torch.Tensor) -> torch.Tensor:
         """Zero the value vectors (B, H, T, d) of the positions ``zero_values`` marks (Mohebbi et al. 2023)."""
@@ -162,8 +175,8 @@ class Session:
         if self.gates is not None:
             out = out * self.gates[layer].to(out.dtype).view(1, -1, 1, 1)
         if self.values:
-            self.value[layer] = value
-            self.output[layer] = out.transpose(1, 2)
+            self.value[layer] = self._gather(value)
+            self.output[layer] = self._gather(out.transpose(1, 2))
         if self.stop_after is not None and layer == self.stop_after:
             raise StopForward
         return out
@@ -175,10 +188,13 @@ class Session:
         self.norm_input = {}
         self._block_calls, self._last_layer = 0, -1
 
-    def _begin(self) -> None:
-        """Start of a model forward: layer counters back to 0."""
+    def _begin(self, module=None, args=(), kwargs=None) -> None:
+        """Start of a model forward (the model's forward pre-hook): layer counters back to 0, the inputs' device
+        noted (that of the first tensor among ``args`` and ``kwargs``)."""
         self._calls.clear()
         self._block_calls, self._last_layer = 0, -1
+        first = next((v for v in (*args, *(kwargs or {}).values()) if isinstance(v, torch.Tensor)), None)
+        self.device = None if first is None else first.device
 
     # block hooks (installed by attention() when internals / block_inputs / stop_block are used)
     def _block_pre(self, module, args, kwargs):
@@ -191,31 +207,31 @@ class Session:
             else:
                 kwargs = {**kwargs, hidden_key(kwargs): x}
         if self.keep_blocks:
-            self.block_input[layer] = x
+            self.block_input[layer] = self._gather(x)
         return args, kwargs
 
     def _block_post(self, module, args, kwargs, output):
         layer = self._block_calls
         self._block_calls += 1
         if self.keep_blocks or self.stop_block is not None:
-            self.block_output[layer] = output[0] if isinstance(output, (tuple, list)) else output
+            self.block_output[layer] = self._gather(output[0] if isinstance(output, (tuple, list)) else output)
         if self.stop_block is not None and layer == self.stop_block:
             raise StopForward
 
     def _proj_post(self, module, args, output):
         l = self._last_layer
         if l >= 0 and l not in self.proj_output and self.parts[l].proj is module:
-            self.proj_output[l] = output
+            self.proj_output[l] = self._gather(output)
 
     def _norm_post(self, module, args, output):
         l = self._last_layer
         if l >= 0 and l in self.proj_output and l not in self.residual_sum and self.parts[l].norm is module:
-            self.norm_output[l] = output
+            self.norm_output[l] = self._gather(output)
             if self.parts[l].sub_norm:  # the norm acts on the heads' output; the residual is added after it
-                self.norm_input[l] = args[0]
-                self.residual_sum[l] = self.block_input[l] + output
+                self.norm_input[l] = self._gather(args[0])
+                self.residual_sum[l] = self._gather(self.block_input[l].to(output.device) + output)
             else:
-                self.residual_sum[l] = args[0]
+                self.residual_sum[l] = self._gather(args[0])
 
     def run(self, **inputs):
         """One forward of the model (keys it does not take are dropped); None when stopped early."""
@@ -264,7 +280,7 @@ def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bo
                       zero_values=zero_values, stop_block=stop_block, block_io=block_io)
     if any(listener_of(m) is not None for m in session.sites):
         raise RuntimeError("another attention session is active on this model")
-    handles = [model.register_forward_pre_hook(lambda *_: session._begin())]
+    handles = [model.register_forward_pre_hook(session._begin, with_kwargs=True)]
     if session._need_blocks:
         for m in dict.fromkeys(blocks(model)):
             handles.append(m.register_forward_pre_hook(session._block_pre, with_kwargs=True))

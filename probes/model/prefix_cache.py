@@ -64,22 +64,40 @@ class PrefixCache:
     @contextmanager
     def reuse(cls, model: nn.Module, outs: list, first_layer: int):
         """Within the block, the embeddings and blocks ``< first_layer`` return ``outs`` (from :meth:`record` of
-        the same inputs) without computing: each gets an instance ``forward`` that returns its stored output,
-        removed on exit. (A forward hook cannot skip a module's computation, and replacing the modules themselves
-        would hide the attributes a model's forward reads from its blocks, e.g. ModernBERT's ``attention_type``.)"""
+        the same inputs) without computing; each module is as it was on exit, also when the block raises.
+
+        The modules stay in place (the model's forward reads attributes of its blocks, e.g. ModernBERT's
+        ``attention_type``) and each answers with its stored output through a :class:`_Stored` forward, set on the
+        instance: the one way to skip a module's computation, since PyTorch's forward hooks and pre-hooks run
+        around it and cannot skip it.
+        """
         emb, mods = cls.parts(model)
-        shadowed = [emb] + mods[:first_layer]
-        for m, out in zip(shadowed, outs):
-            m.forward = _returning(out)
+        if not 0 <= first_layer <= len(mods):
+            raise ValueError(f"first_layer must be in 0..{len(mods)}, got {first_layer}")
+        if len(outs) != len(mods) + 1:
+            raise ValueError(f"outs must hold the embeddings output and {len(mods)} block outputs "
+                             f"(PrefixCache.record), got {len(outs)}")
+        stored = list(zip([emb] + mods[:first_layer], outs))
+        if any(isinstance(m.__dict__.get("forward"), _Stored) for m, _ in stored):
+            raise RuntimeError("PrefixCache.reuse is already active on this model")
+        before = [m.__dict__.get("forward") for m, _ in stored]  # an instance forward set by others (accelerate)
         try:
+            for m, out in stored:
+                m.forward = _Stored(out)
             yield
         finally:
-            for m in shadowed:
-                del m.forward
+            for (m, _), old in zip(stored, before):
+                if old is None:
+                    m.__dict__.pop("forward", None)
+                else:
+                    m.forward = old
 
 
-def _returning(output):
-    """A forward that ignores its arguments and returns ``output``."""
-    def forward(*args, **kwargs):
-        return output
-    return forward
+class _Stored:
+    """A module's forward that ignores its arguments and returns the output stored at construction."""
+
+    def __init__(self, output):
+        self.output = output
+
+    def __call__(self, *args, **kwargs):
+        return self.output

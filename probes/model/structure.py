@@ -17,6 +17,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from probes.model.attention_function import listening, prepare
+from probes.model.load import input_device
 
 STRUCTURE = "_probes_structure"  # instance attribute of a model: its Structure
 
@@ -74,7 +75,7 @@ def attention_sites(model: nn.Module) -> list[nn.Module]:
     if found.sites is not None:
         return found.sites
     prepare(model)
-    device = next(model.parameters()).device
+    device = input_device(model)  # a model placed across devices: its main device
     ids = torch.zeros(1, 3, dtype=torch.long, device=device)
     sites: list[nn.Module] = []
     with listening(model.modules(), CallOrder(sites)):
@@ -251,7 +252,7 @@ def layer_parts(model: nn.Module) -> list[LayerParts]:
         handles.append(m.register_forward_hook(
             lambda mod, a, k, o: events.append(("block_out", o[0] if isinstance(o, (tuple, list)) else o)),
             with_kwargs=True))
-    device = next(model.parameters()).device
+    device = input_device(model)  # a model placed across devices: its main device
     vocab = int(getattr(model.config, "vocab_size", 100))
     ids = (torch.arange(7, device=device).unsqueeze(0) * 7 + 5) % vocab  # (1, 7) arbitrary real tokens
     was_training = model.training

@@ -17,6 +17,10 @@ Tokenizers follow each family's convention:
   ``(piece, score)`` list). Special tokens as the real checkpoints: XLM-R ``<s> <pad> </s> <unk>``
   first and ``<mask>`` last; ALBERT ``<pad> <unk> [CLS] [SEP] [MASK]`` (lower-cased, like
   albert-base-v2); DeBERTa-v3 ``[PAD] [CLS] [SEP] [UNK]`` first and ``[MASK]`` last.
+* ``mpnet``: MPNet's own ``MPNetTokenizer`` (lower-cased WordPiece, ``<s> x </s>``) on MPNet's vocabulary
+  layout, ``<s>``=0, ``<pad>``=1, ``</s>``=2, ``<unk>``=3, then the packaged MiniLM vocab.txt (``[UNK]`` the
+  unknown token, as all-mpnet-base-v2), ``<mask>`` last; ``max_positions + 2`` position embeddings (positions
+  start after ``padding_idx`` = 1, as RoBERTa); 32 relative-position buckets (the encoder's fixed count).
 * ``modernbert``: byte-level BPE with BERT-style special tokens (``[CLS] x [SEP]``, the specials
   after the pieces as in the real ModernBERT), a ``PreTrainedTokenizerFast`` as the real one, but
   with ``add_prefix_space=True`` (the real one has False) for pre-split words.
@@ -60,12 +64,14 @@ from transformers.utils import logging as hf_logging
 
 from probes.model.load import load_encoder
 
-FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "deberta-v2", "modernbert")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "deberta-v2", "modernbert",
+            "mpnet")
 FORMAT = 2                     # bump when what build_tiny writes changes (part of tiny_folder's hash)
 VOCAB_SIZE = 2000              # trained tokenizers (BPE / Unigram), special tokens included
 MODERNBERT_LOCAL_ATTENTION = 8  # total sliding window of ModernBERT's local layers (4 tokens each side)
 DEBERTA_POSITION_BUCKETS = 32  # log-bucketed relative positions (deberta-v3 uses 256)
 ALBERT_EMBEDDING_SIZE = 16
+MPNET_BUCKETS = 32             # MPNet's relative-position buckets (MPNetEncoder.compute_position_bias uses 32)
 SIZES = dict(seed=0, num_layers=2, num_heads=4, hidden=32, intermediate=64, max_positions=128)
 DECODER_WINDOW = 4             # sliding window (tokens, the query included) of mistral and the Gemmas' local layers
 GEMMA2_SOFTCAP = 0.5           # attention logit soft-capping of the tiny gemma2 (real: 50), small so that it acts
@@ -191,6 +197,16 @@ def _wordpiece_tokenizer(family: str, max_positions: int):
     return cls(vocab=vocab, do_lower_case=True, model_max_length=max_positions)
 
 
+def _mpnet_tokenizer(max_positions: int):
+    """MPNet's WordPiece tokenizer: ``<s> <pad> </s> <unk>`` first, the MiniLM vocabulary, ``<mask>`` last."""
+    lines = (_minilm_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    vocab: dict[str, int] = {}
+    for tok in ["<s>", "<pad>", "</s>", "<unk>", *lines, "<mask>"]:
+        vocab.setdefault(tok, len(vocab))
+    return transformers.MPNetTokenizer(vocab=vocab, do_lower_case=True, unk_token="[UNK]",
+                                       model_max_length=max_positions)
+
+
 def _roberta_tokenizer(corpus: tuple[str, ...], max_positions: int):
     head, tail = ["<s>", "<pad>", "</s>", "<unk>"], ["<mask>"]
     pieces, merges = _train_bpe(corpus, VOCAB_SIZE - len(head) - len(tail))
@@ -260,6 +276,8 @@ def make_tokenizer(family: str, corpus: Iterable[str] | None = None, max_positio
         return _decoder_tokenizer(family, _corpus(corpus), max_positions)
     if family in _WORDPIECE_FAMILIES:
         return _wordpiece_tokenizer(family, max_positions)
+    if family == "mpnet":
+        return _mpnet_tokenizer(max_positions)
     text = _corpus(corpus)
     if family == "roberta":
         return _roberta_tokenizer(text, max_positions)
@@ -276,7 +294,8 @@ def make_config(family: str, tokenizer, num_layers: int = 2, num_heads: int = 4,
     """The family's config at the given sizes; vocabulary size and special-token ids from ``tokenizer``.
 
     ``max_positions`` is the usable length; RoBERTa / XLM-R get ``max_positions + 2`` position
-    embeddings (positions start after ``padding_idx`` = 1, as real RoBERTa's 514 for 512 usable).
+    embeddings (positions start after ``padding_idx`` = 1, as real RoBERTa's 514 for 512 usable), and so
+    does MPNet.
     """
     _check_family(family)
     if family in DECODERS:
@@ -290,6 +309,9 @@ def make_config(family: str, tokenizer, num_layers: int = 2, num_heads: int = 4,
             extra["embedding_size"] = hidden
     elif family in ("roberta", "xlm-roberta"):
         extra = dict(type_vocab_size=1, max_position_embeddings=max_positions + 2,
+                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    elif family == "mpnet":
+        extra = dict(max_position_embeddings=max_positions + 2, relative_attention_num_buckets=MPNET_BUCKETS,
                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     elif family == "distilbert":
         sizes = dict(n_layers=num_layers, n_heads=num_heads, dim=hidden, hidden_dim=intermediate,

@@ -22,14 +22,14 @@ from tqdm.auto import tqdm
 from probes.data.conllu import Sentence
 from probes.extract.representations import RepresentationCache, ensure_hidden_caches
 from probes.structural.trees import depths, distances
-from probes.training.datamodule import TreebankDataModule, TreebankSplit
+from probes.training.datamodule import LoadedSplit, TreebankDataModule
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class HiddenSplit(TreebankSplit):
-    """One split (:class:`~probes.training.datamodule.TreebankSplit`) plus each sentence's place in the file."""
+class HiddenSplit(LoadedSplit):
+    """One split (:class:`~probes.training.datamodule.LoadedSplit`) plus each sentence's place in the file."""
 
     where: list[str] = field(default_factory=list)  # per sentence "file:line" for errors
 

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
 from probes.data.conllu import Sentence
+from probes.extract.cache import CacheEntry
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,12 @@ PUNCT_UPOS = "PUNCT"
 
 
 @dataclass
-class TreebankSplit:
-    """One split: its cache, per-sentence gold heads and punctuation, the scored sentences; full `Sentence`s
-    only for the splits in ``keep_sentences`` (subclasses add their own per-sentence arrays)."""
+class LoadedSplit:
+    """One split loaded for serving: its cache, per-sentence gold heads and punctuation, the scored sentences;
+    full `Sentence`s only for the splits in ``keep_sentences`` (subclasses add their own per-sentence arrays).
+    Which sentences an entry was extracted from is :class:`probes.extract.runner.TreebankSplit`."""
 
-    cache: Any  # the split's cache (AttentionCache, RepresentationCache): ``i in cache``, ``manifest["bytes"]``
+    cache: CacheEntry  # the split's cache (AttentionCache, RepresentationCache): ``i in cache``, ``manifest``
     heads: list[np.ndarray]  # per sentence (n,) int16 gold head, 0 = ROOT
     punct: list[np.ndarray]  # per sentence (n,) bool, UPOS PUNCT
     indices: list[int]  # sentences present in the cache (too-long ones are skipped)
@@ -128,7 +130,7 @@ class TreebankDataModule(pl.LightningDataModule):
         self.max_sentences = dict(max_sentences or {})
         self.batch_size, self.max_pairs, self.num_workers, self.seed = batch_size, max_pairs, num_workers, seed
         self.extract_in_child = extract_in_child  # missing caches are built in a child process (peak memory)
-        self.data: dict[str, TreebankSplit] = {}
+        self.data: dict[str, LoadedSplit] = {}
         self.keep_sentences = {"test"}  # the CoNLL-U prediction writer needs the full test sentences
 
     # ------------------------------------------------------------------ what a subclass adds
@@ -139,12 +141,12 @@ class TreebankDataModule(pl.LightningDataModule):
     def check_cache(self, cache: Any) -> None:
         """Raise a clear error now when a split's cache cannot serve this datamodule."""
 
-    def make_split(self, stage: str, split: str, sentences: list[Sentence], common: dict[str, Any]) -> TreebankSplit:
-        """The split's data (the subclass's :class:`TreebankSplit`): ``common`` holds the shared fields
+    def make_split(self, stage: str, split: str, sentences: list[Sentence], common: dict[str, Any]) -> LoadedSplit:
+        """The split's data (the subclass's :class:`LoadedSplit`): ``common`` holds the shared fields
         (cache, heads, punct, indices, sentences) and ``sentences`` all of the split's sentences read."""
         raise NotImplementedError
 
-    def finish(self, loaded: dict[str, TreebankSplit]) -> None:
+    def finish(self, loaded: dict[str, LoadedSplit]) -> None:
         """After every split is loaded: checks and tables across splits."""
 
     def dataset(self, stage: str) -> Dataset:
@@ -163,7 +165,7 @@ class TreebankDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self._load()
 
-    def _load(self) -> dict[str, TreebankSplit]:
+    def _load(self) -> dict[str, LoadedSplit]:
         if self.data:
             return self.data
         read = self.read_splits()  # in this process, before any cache is built: bad input fails here

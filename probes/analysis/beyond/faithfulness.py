@@ -40,6 +40,10 @@ and the papers' numbers for that kind, ``probes/report/papers.yaml``), ``faithfu
 layer, metric, mean, lo, hi, n), ``faithfulness_examples.csv`` (per example), ``faithfulness_papers.csv``,
 ``faithfulness.png`` (kinds x metrics), ``faithfulness_layers.png`` (metrics per layer), ``summary.json``
 (also the seconds spent per kind).
+
+In code: :func:`compute` (the per-example scores and their means; only the ``.partial.csv`` of a running task
+through its ``partial`` writer) -> :func:`tables` -> :func:`save`; the configured entry
+:func:`faithfulness_analysis` composes the three.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +85,7 @@ REFERENCE_LAYER = 0  # the layer column of the references (they read no map)
 
 
 @dataclass
-class Item:
+class ExampleUnits:
     """One example in pieces: ids (T,), token types (T,) or None, the piece positions of every unit."""
 
     idx: int
@@ -91,7 +95,7 @@ class Item:
 
 
 def make_items(tokenizer, examples: Sequence[GlueExample], level: str, max_length: int | None
-               ) -> tuple[list[Item], list[int]]:
+               ) -> tuple[list[ExampleUnits], list[int]]:
     """Items of the examples (whitespace words; pairs as the tokenizer joins them); too long ones are skipped
     (their idx returned)."""
     if level not in ("word", "piece"):
@@ -112,11 +116,11 @@ def make_items(tokenizer, examples: Sequence[GlueExample], level: str, max_lengt
             units = [u for u in units if u]
         else:
             units = [[t] for t, w in enumerate(wop) if 0 <= w < n]
-        items.append(Item(ex.idx, list(enc.input_ids), enc.token_type_ids, units))
+        items.append(ExampleUnits(ex.idx, list(enc.input_ids), enc.token_type_ids, units))
     return items, skipped
 
 
-def erased(item: Item, removed: Sequence[int], erase: str, mask_id: int | None
+def erased(item: ExampleUnits, removed: Sequence[int], erase: str, mask_id: int | None
            ) -> tuple[list[int], list[int] | None]:
     """``(ids, token types)`` of the item with the units ``removed`` deleted (``delete``) or masked (``mask``)."""
     pos = {t for u in removed for t in item.units[u]}
@@ -172,7 +176,7 @@ class Classifier:
 
 
 # ----------------------------------------------------------------------------- importances
-def map_importance(measure, model, item: Item, row: int, device: str) -> np.ndarray:
+def map_importance(measure, model, item: ExampleUnits, row: int, device: str) -> np.ndarray:
     """(L, T) importance of every piece read from row ``row`` of each layer's map (mean over heads)."""
     ids = torch.tensor([item.ids], device=device)  # (1, T)
     tt = None if item.token_types is None else torch.tensor([item.token_types], device=device)  # (1, T)
@@ -184,14 +188,14 @@ def map_importance(measure, model, item: Item, row: int, device: str) -> np.ndar
 def gradient_scores(method: str):
     """``f(model, item, target, device, ig_steps, seed) -> (T,)``: the signed attribution of the target logit
     per piece (summed over the embedding dimension)."""
-    def f(model, item: Item, target: int, device: str, ig_steps: int, seed: int) -> np.ndarray:
+    def f(model, item: ExampleUnits, target: int, device: str, ig_steps: int, seed: int) -> np.ndarray:
         tt = None if item.token_types is None else torch.tensor(item.token_types, device=device)
         attr = logit_attributions(model, torch.tensor(item.ids, device=device), target, method, ig_steps, tt)
         return attr.sum(-1).double().cpu().numpy()  # (T,)
     return f
 
 
-def random_scores(model, item: Item, target: int, device: str, ig_steps: int, seed: int) -> np.ndarray:
+def random_scores(model, item: ExampleUnits, target: int, device: str, ig_steps: int, seed: int) -> np.ndarray:
     """(T,) uniform scores, seeded by ``seed`` and the example's idx."""
     return np.random.default_rng([seed, item.idx]).random(len(item.ids))
 
@@ -220,7 +224,7 @@ def _timed(timing: dict, key: str, fn, *args):
     return out
 
 
-def score_example(item: Item, model, measures: dict, clf: Classifier, *, references: Sequence[str], row: int,
+def score_example(item: ExampleUnits, model, measures: dict, clf: Classifier, *, references: Sequence[str], row: int,
                   erase: str, mask_id: int | None, bins: Sequence[float], aopc_layers: Sequence[int],
                   ig_steps: int, seed: int, device: str, timing: dict | None = None) -> ExampleScores:
     """Importances, blank-out and metrics of one item (see the module doc). ``aopc_layers``: 1-based.
@@ -368,6 +372,224 @@ def layers_figure(layers: pd.DataFrame, kinds: Sequence[str], references: Sequen
 
 
 # ----------------------------------------------------------------------------- the analysis
+@dataclass(frozen=True)
+class ExampleChoice:
+    """Which fine-tuned models and which of their GLUE examples (the analysis node's keys of the same names)."""
+
+    checkpoint: object = None           # GLUE run dir | <run>/hf_model | .ckpt; or {task: path}
+    task: str | None = None             # None: read from the checkpoint
+    split: str = "dev"
+    first_example: int = 0              # 0-based
+    max_examples: int | None = None     # N examples from first_example; None = all
+    max_length: int | None = 128        # pieces incl. specials; longer examples are skipped
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How the rankings are read and scored (the analysis node's keys of the same names; see the module doc)."""
+
+    kinds: tuple[str, ...] = ("attention", "rollout")
+    references: tuple[str, ...] = ("ixg", "ig", "loo", "random")
+    layer: int | None = None            # 1-based layer of the main table; None = the last
+    row: int = 0                        # the map row read: 0 = [CLS] / <s>, -1 = the last piece
+    level: str = "word"                 # word | piece
+    erase: str = "delete"               # delete | mask
+    bins: tuple[float, ...] = (1, 5, 10, 20, 50)  # % of the units removed / kept
+    aopc_layers: str = "selected"       # selected | all
+    ig_steps: int = 20
+    max_tokens: int = 8192              # pieces per classifier batch
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [r for r in self.references if r not in REFERENCE_NAMES]
+        if unknown:
+            raise ValueError(f"analysis.references: unknown {unknown} ({' | '.join(REFERENCE_NAMES)})")
+        if self.aopc_layers not in ("selected", "all"):
+            raise ValueError(f"analysis.aopc_layers must be selected or all, got {self.aopc_layers!r}")
+        if self.erase not in ("delete", "mask"):
+            raise ValueError(f"analysis.erase must be delete or mask, got {self.erase!r}")
+
+
+@dataclass
+class TaskFaithfulness:
+    """The scores of one fine-tuned model on its task's examples."""
+
+    task: str
+    checkpoint: str                     # the model's folder
+    suffix: str                         # of the file names: _<task> when several models are scored
+    layer: int                          # the 1-based layer of the main table
+    aopc_layers: list[int]              # the 1-based layers scored with AOPC
+    n_examples: int
+    n_skipped: int                      # examples longer than max_length
+    accuracy: float                     # of the predictions on the full inputs
+    seconds: dict[str, float]           # per kind / reference / the perturbations
+    examples: pd.DataFrame              # one row per (example, kind, layer): the metrics
+    layers: pd.DataFrame                # (kind, layer, metric, mean, lo, hi, n)
+
+
+@dataclass
+class FaithfulnessResult:
+    """What :func:`compute` returns."""
+
+    examples: ExampleChoice
+    scoring: Scoring
+    tasks: list[TaskFaithfulness]       # one per checkpoint, in order
+    papers: list[dict]                  # the papers' numbers (probes/report/papers.yaml)
+
+
+@dataclass
+class TaskTables:
+    """The tables of one checkpoint (``<name><suffix>.csv``)."""
+
+    suffix: str
+    main: pd.DataFrame                  # faithfulness
+    layers: pd.DataFrame                # faithfulness_layers
+    examples: pd.DataFrame              # faithfulness_examples
+
+
+@dataclass
+class FaithfulnessTables:
+    """The analysis's tables: per checkpoint, and the papers' numbers (None when there are none)."""
+
+    tasks: list[TaskTables]
+    papers: pd.DataFrame | None
+
+
+def partial_writer(output_dir) -> Callable[[str, list[dict] | None], None]:
+    """``f(suffix, rows)``: write the rows so far to ``faithfulness_examples<suffix>.partial.csv`` in
+    ``output_dir`` (a stopped run keeps them); ``rows`` None removes the file."""
+    def write(suffix: str, rows: list[dict] | None) -> None:
+        path = Path(output_dir) / f"faithfulness_examples{suffix}.partial.csv"
+        if rows is None:
+            path.unlink(missing_ok=True)
+        else:
+            atomic_write(path, lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
+    return write
+
+
+def _score_task(ctx, want_task: str | None, path, choice: ExampleChoice, scoring: Scoring, measures: dict,
+                several: bool, n_boot: int, log_every: int, partial) -> TaskFaithfulness:
+    """The scores of one checkpoint (see :func:`compute`); ``several``: one of several (the files get its task)."""
+    ft = load_checkpoint(ctx, path, want_task, require_task=True)
+    suffix = f"_{ft.task}" if several else ""
+    spec = task_spec(ft.task)
+    if spec.num_labels < 2:
+        raise ValueError(f"{ft.path}: {ft.task} is a regression task; faithfulness needs a classifier")
+    model = ft.model.to(ctx.device).eval()
+    L = int(model.config.num_hidden_layers)
+    sel = L if scoring.layer is None else int(scoring.layer)
+    if not 1 <= sel <= L:
+        raise ValueError(f"analysis.layer={scoring.layer} out of range 1..{L} (1-based; null = the last)")
+    row = scoring.row
+    if is_causal(model.config) and int(row) == 0:
+        raise ValueError(f"analysis.row=0 reads the first token's row, which on the causal model of {ft.path} "
+                         "sees only itself; use analysis.row=-1, the last token (the one its classifier pools)")
+    mask_id = ft.tokenizer.mask_token_id
+    if scoring.erase == "mask" and mask_id is None:
+        raise ValueError(f"analysis.erase=mask: the tokenizer of {ft.path} has no mask token")
+    split, first = choice.split, choice.first_example
+    examples = read_glue(ft.task, split, ctx.data_dir)
+    examples = examples[first:None if choice.max_examples is None else first + choice.max_examples]
+    items, skipped = make_items(ft.tokenizer, examples, scoring.level, choice.max_length)
+    if not items:
+        raise ValueError(f"no {ft.task} {split} example of at most {choice.max_length} pieces")
+    short = [it for it in items if not sentence_rows([int(row)], len(it.ids))]
+    if short:
+        raise ValueError(f"analysis.row={row}: {len(short)} {ft.task} {split} examples have no such row "
+                         f"(the shortest has {min(len(it.ids) for it in short)} pieces); 0 = the first piece, "
+                         "-1 = the last")
+    log.info("faithfulness: %s %s, %d examples (%d longer than %s pieces skipped), %s level, %d kinds",
+             ft.task, split, len(items), len(skipped), choice.max_length, scoring.level, len(scoring.kinds))
+    clf = Classifier(model, ft.tokenizer.pad_token_id, ctx.device, scoring.max_tokens)
+    aopc_at = list(range(1, L + 1)) if scoring.aopc_layers == "all" else [sel]
+    rows, timing, correct = [], {}, 0
+    labels = {ex.idx: ex.label for ex in examples}
+    t_loop = time.time()
+    for i, item in enumerate(tqdm(items, desc=f"faithfulness {ft.task}", unit="ex", disable=None)):
+        if i and i % log_every == 0:  # the bar is off without a terminal: a line with the estimate
+            el = time.time() - t_loop
+            log.info("faithfulness %s: %d/%d examples, %.0f s elapsed, ~%.0f s left", ft.task, i, len(items), el,
+                     el / i * (len(items) - i))
+            if partial is not None:
+                partial(suffix, rows)
+        es = score_example(item, model, measures, clf, references=list(scoring.references), row=row,
+                           erase=scoring.erase, mask_id=mask_id, bins=scoring.bins, aopc_layers=aopc_at,
+                           ig_steps=scoring.ig_steps, seed=scoring.seed, device=ctx.device, timing=timing)
+        correct += int(es.predicted == labels[item.idx])
+        rows += es.rows
+    ex_df = pd.DataFrame(rows)
+    if partial is not None:
+        partial(suffix, None)
+    for m in METRICS:
+        v = ex_df[m].to_numpy(dtype=float)
+        if np.isinf(v).any():
+            raise FloatingPointError(f"faithfulness: non-finite {m} values")
+    return TaskFaithfulness(ft.task, ft.path, suffix, sel, aopc_at, len(items), len(skipped), correct / len(items),
+                            timing, ex_df, summarize(ex_df, n_boot, scoring.seed))
+
+
+def compute(ctx, choice: ExampleChoice, scoring: Scoring, measures: dict[str, Measure], *, n_boot: int = 1000,
+            log_every: int = 25, partial: Callable[[str, list[dict] | None], None] | None = None
+            ) -> FaithfulnessResult:
+    """The per-example scores and their means of every checkpoint.
+
+    Args:
+        ctx: The analysis context (device, data, map kinds).
+        choice: Which models and examples.
+        scoring: How the rankings are read and scored.
+        measures: Kind -> its measure, for every kind of ``scoring.kinds``.
+        n_boot: Bootstrap resamples of the examples.
+        log_every: A log line with the time left every N examples.
+        partial: Called with the rows so far every ``log_every`` examples and with None at the end of a
+            checkpoint (:func:`partial_writer`); None: nothing is written.
+
+    Returns:
+        The scores of every checkpoint and the papers' numbers.
+    """
+    by_task = checkpoints(choice.checkpoint, choice.task)
+    tasks = [_score_task(ctx, want_task, path, choice, scoring, measures, len(by_task) > 1, n_boot, log_every,
+                         partial) for want_task, path in by_task.items()]
+    return FaithfulnessResult(choice, scoring, tasks, paper_numbers())
+
+
+def tables(result: FaithfulnessResult) -> FaithfulnessTables:
+    """The main, per-layer and per-example tables of every checkpoint of ``result``, and the papers' numbers."""
+    kinds, refs = list(result.scoring.kinds), list(result.scoring.references)
+    return FaithfulnessTables(
+        tasks=[TaskTables(t.suffix, main_table(t.layers, kinds, refs, t.layer, result.papers), t.layers, t.examples)
+               for t in result.tasks],
+        papers=pd.DataFrame(result.papers) if result.papers else None)
+
+
+def save(ctx, result: FaithfulnessResult, frames: FaithfulnessTables, started: float) -> None:
+    """Write the tables, the figures and summary.json into ``ctx.output_dir``.
+
+    Args:
+        ctx: The analysis context.
+        result: What :func:`compute` returned.
+        frames: What :func:`tables` made of it.
+        started: ``time.time()`` at the start of the run (the summary's seconds).
+    """
+    sc, split = result.scoring, result.examples.split
+    summary = {}
+    for t, tab in zip(result.tasks, frames.tasks):
+        ctx.save_table(tab.main, f"faithfulness{t.suffix}")
+        ctx.save_table(tab.layers, f"faithfulness_layers{t.suffix}")
+        ctx.save_table(tab.examples, f"faithfulness_examples{t.suffix}")
+        if frames.papers is not None:
+            ctx.save_table(frames.papers, "faithfulness_papers")
+        what = f"{t.task} {split}, {t.n_examples} examples, {sc.level} level, erase={sc.erase}"
+        ctx.save_figure(heatmap_figure(tab.main, f"{what}: layer {t.layer} row {sc.row}"), f"faithfulness{t.suffix}")
+        ctx.save_figure(layers_figure(tab.layers, list(sc.kinds), list(sc.references), what),
+                        f"faithfulness_layers{t.suffix}")
+        summary[t.task] = dict(checkpoint=t.checkpoint, n_examples=t.n_examples, skipped_too_long=t.n_skipped,
+                               accuracy=t.accuracy, layer=t.layer, row=sc.row, level=sc.level, erase=sc.erase,
+                               bins=list(sc.bins), aopc_layers=t.aopc_layers, ig_steps=sc.ig_steps,
+                               seconds_per_kind={k: round(v, 1) for k, v in t.seconds.items()},
+                               table={r["kind"]: {m: r[m] for m in METRICS} for r in tab.main.to_dict("records")})
+    ctx.log_summary(dict(analysis="faithfulness", split=split, tasks=summary, seconds=round(time.time() - started, 1)))
+
+
 def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, split: str = "dev",
                           max_examples: int | None = None, first_example: int = 0, max_length: int | None = 128,
                           kinds: Sequence[str] = ("attention", "rollout"), measures=None,
@@ -376,91 +598,23 @@ def faithfulness_analysis(ctx, *, checkpoint=None, task: str | None = None, spli
                           bins: Sequence[float] = (1, 5, 10, 20, 50), aopc_layers: str = "selected",
                           ig_steps: int = 20, n_boot: int = 1000, max_tokens: int = 8192,
                           log_every: int = 25, seed: int = 0) -> pd.DataFrame:
-    """The faithfulness table of every checkpoint (see the module doc); returns the last one's main table."""
-    t_start = time.time()
-    kinds, references = [str(k) for k in kinds], [str(r) for r in references]
-    unknown = [r for r in references if r not in REFERENCE_NAMES]
-    if unknown:
-        raise ValueError(f"analysis.references: unknown {unknown} ({' | '.join(REFERENCE_NAMES)})")
-    if aopc_layers not in ("selected", "all"):
-        raise ValueError(f"analysis.aopc_layers must be selected or all, got {aopc_layers!r}")
-    if erase not in ("delete", "mask"):
-        raise ValueError(f"analysis.erase must be delete or mask, got {erase!r}")
+    """The faithfulness table of every checkpoint (the keys: :class:`ExampleChoice`, :class:`Scoring`, the module
+    doc; ``measures``: kinds built from this node instead of ``extract.measures``); returns the last one's main
+    table."""
+    started = time.time()
+    scoring = Scoring(kinds=tuple(str(k) for k in kinds), references=tuple(str(r) for r in references), layer=layer,
+                      row=row, level=level, erase=erase, bins=tuple(bins), aopc_layers=aopc_layers, ig_steps=ig_steps,
+                      max_tokens=max_tokens, seed=seed)
+    choice = ExampleChoice(checkpoint=checkpoint, task=task, split=split, first_example=first_example,
+                           max_examples=max_examples, max_length=max_length)
     own = dict(measures or {})  # Hydra has built them already (recursive instantiation); plain nodes are built here
     own = {k: v if isinstance(v, Measure) else instantiate(v) for k, v in own.items()}
-    built = {k: own[k] if k in own else ctx.measure(k)[1] for k in kinds}
-    papers = paper_numbers()
-    summary, result = {}, None
-    for want_task, path in checkpoints(checkpoint, task).items():
-        ft = load_checkpoint(ctx, path, want_task, require_task=True)
-        spec = task_spec(ft.task)
-        if spec.num_labels < 2:
-            raise ValueError(f"{ft.path}: {ft.task} is a regression task; faithfulness needs a classifier")
-        model = ft.model.to(ctx.device).eval()
-        L = int(model.config.num_hidden_layers)
-        sel = L if layer is None else int(layer)
-        if not 1 <= sel <= L:
-            raise ValueError(f"analysis.layer={layer} out of range 1..{L} (1-based; null = the last)")
-        if is_causal(model.config) and int(row) == 0:
-            raise ValueError(f"analysis.row=0 reads the first token's row, which on the causal model of {ft.path} "
-                             "sees only itself; use analysis.row=-1, the last token (the one its classifier pools)")
-        mask_id = ft.tokenizer.mask_token_id
-        if erase == "mask" and mask_id is None:
-            raise ValueError(f"analysis.erase=mask: the tokenizer of {ft.path} has no mask token")
-        examples = read_glue(ft.task, split, ctx.data_dir)
-        examples = examples[first_example:None if max_examples is None else first_example + max_examples]
-        items, skipped = make_items(ft.tokenizer, examples, level, max_length)
-        if not items:
-            raise ValueError(f"no {ft.task} {split} example of at most {max_length} pieces")
-        short = [it for it in items if not sentence_rows([int(row)], len(it.ids))]
-        if short:
-            raise ValueError(f"analysis.row={row}: {len(short)} {ft.task} {split} examples have no such row "
-                             f"(the shortest has {min(len(it.ids) for it in short)} pieces); 0 = the first piece, "
-                             "-1 = the last")
-        log.info("faithfulness: %s %s, %d examples (%d longer than %s pieces skipped), %s level, %d kinds",
-                 ft.task, split, len(items), len(skipped), max_length, level, len(kinds))
-        clf = Classifier(model, ft.tokenizer.pad_token_id, ctx.device, max_tokens)
-        suffix = f"_{ft.task}" if len(checkpoints(checkpoint, task)) > 1 else ""
-        aopc_at = list(range(1, L + 1)) if aopc_layers == "all" else [sel]
-        rows, timing, correct = [], {}, 0
-        labels = {ex.idx: ex.label for ex in examples}
-        t_loop = time.time()
-        for i, item in enumerate(tqdm(items, desc=f"faithfulness {ft.task}", unit="ex", disable=None)):
-            if i and i % log_every == 0:  # the bar is off without a terminal: a line with the estimate
-                el = time.time() - t_loop
-                log.info("faithfulness %s: %d/%d examples, %.0f s elapsed, ~%.0f s left", ft.task, i, len(items), el,
-                         el / i * (len(items) - i))
-                partial = ctx.output_dir / f"faithfulness_examples{suffix}.partial.csv"  # a stopped run keeps these
-                atomic_write(partial, lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
-            es = score_example(item, model, built, clf, references=references, row=row, erase=erase,
-                               mask_id=mask_id, bins=bins, aopc_layers=aopc_at, ig_steps=ig_steps, seed=seed,
-                               device=ctx.device, timing=timing)
-            correct += int(es.predicted == labels[item.idx])
-            rows += es.rows
-        ex_df = pd.DataFrame(rows)
-        (ctx.output_dir / f"faithfulness_examples{suffix}.partial.csv").unlink(missing_ok=True)
-        for m in METRICS:
-            v = ex_df[m].to_numpy(dtype=float)
-            if np.isinf(v).any():
-                raise FloatingPointError(f"faithfulness: non-finite {m} values")
-        layers_df = summarize(ex_df, n_boot, seed)
-        table = main_table(layers_df, kinds, references, sel, papers)
-        ctx.save_table(table, f"faithfulness{suffix}")
-        ctx.save_table(layers_df, f"faithfulness_layers{suffix}")
-        ctx.save_table(ex_df, f"faithfulness_examples{suffix}")
-        if papers:
-            ctx.save_table(pd.DataFrame(papers), "faithfulness_papers")
-        what = f"{ft.task} {split}, {len(items)} examples, {level} level, erase={erase}"
-        ctx.save_figure(heatmap_figure(table, f"{what}: layer {sel} row {row}"), f"faithfulness{suffix}")
-        ctx.save_figure(layers_figure(layers_df, kinds, references, what), f"faithfulness_layers{suffix}")
-        summary[ft.task] = dict(checkpoint=ft.path, n_examples=len(items), skipped_too_long=len(skipped),
-                                accuracy=correct / len(items), layer=sel, row=row, level=level, erase=erase,
-                                bins=list(bins), aopc_layers=aopc_at, ig_steps=ig_steps,
-                                seconds_per_kind={k: round(v, 1) for k, v in timing.items()},
-                                table={r["kind"]: {m: r[m] for m in METRICS} for r in table.to_dict("records")})
-        result = table
-    ctx.log_summary(dict(analysis="faithfulness", split=split, tasks=summary, seconds=round(time.time() - t_start, 1)))
-    return result
+    built = {k: own[k] if k in own else ctx.measure(k)[1] for k in scoring.kinds}
+    result = compute(ctx, choice, scoring, built, n_boot=n_boot, log_every=log_every,
+                     partial=partial_writer(ctx.output_dir))
+    frames = tables(result)
+    save(ctx, result, frames, started)
+    return frames.tasks[-1].main if frames.tasks else None
 
 
 # ----------------------------------------------------------------------------- runs over parts of a split

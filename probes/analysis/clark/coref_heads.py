@@ -182,7 +182,7 @@ def rule_based(m: Mention, cands: list[Mention], words: list[str], feats: dict |
 
 # ----------------------------------------------------------------------------- evaluation
 @dataclass
-class Item:
+class EvaluatedMention:
     """One evaluated mention of one segment (segment-local word indices, 0 = first word)."""
 
     doc_id: str
@@ -193,7 +193,7 @@ class Item:
     predictions: dict[str, int]  # baseline -> predicted local word
 
 
-def segment_items(doc: CorefDocument, seg: Segment, seg_index: int) -> list[Item]:
+def segment_items(doc: CorefDocument, seg: Segment, seg_index: int) -> list[EvaluatedMention]:
     """The mentions of ``seg`` that have an antecedent (different head) in it, with baseline predictions."""
     words = doc.words
     inside = [m for m in doc.mentions if seg.word_start <= m.start and m.end < seg.word_end]
@@ -208,8 +208,8 @@ def segment_items(doc: CorefDocument, seg: Segment, seg_index: int) -> list[Item
         preds = dict(nearest=nearest(m, before), head_match=head_match(m, before, words),
                      rule_based=rule_based(m, before, words, feats))
         o = seg.word_start
-        items.append(Item(doc.doc_id, seg_index, m.head - o, m.mtype, frozenset(a - o for a in ants),
-                          {b: p - o for b, p in preds.items()}))
+        items.append(EvaluatedMention(doc.doc_id, seg_index, m.head - o, m.mtype,
+                                      frozenset(a - o for a in ants), {b: p - o for b, p in preds.items()}))
     return items
 
 
@@ -235,7 +235,7 @@ class CorefAccumulator:
         self.count = dict.fromkeys(GROUPS, 0)
         self.rows: list[dict] = []
 
-    def add(self, attn: np.ndarray | None, items: list[Item]) -> None:
+    def add(self, attn: np.ndarray | None, items: list[EvaluatedMention]) -> None:
         if not items:
             return
         if attn is not None:

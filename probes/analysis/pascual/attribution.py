@@ -62,6 +62,9 @@ Outputs: ``attribution_heads.csv`` (kind, method, layer, head, name, js, spearma
 attr_pattern), ``attribution_layers.csv`` (kind, method, layer, means, pattern_agree, n),
 ``attribution_patterns.csv`` (source, layer, pattern, share, count), ``attribution_layers.png``,
 ``attribution_patterns.png``, ``attribution_heads.png`` (per-head top-1 agreement), ``summary.json``.
+
+In code: :func:`compute` (the running sums, no file written) -> :func:`tables` -> :func:`save`; the configured
+entry :func:`attribution` composes the three.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -275,43 +279,95 @@ class _Acc:
         return dict(out, n=s["n"].sum(1).astype(int))
 
 
-def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_shortest: int | None = 50,
-                min_words: int = 5, methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero",
-                chunk_size: int | None = 1024, captum_check: int = 2, num_threads: int | None = None,
-                kinds=None, seed: int = 0) -> pd.DataFrame:
-    """Attribution vs each map kind for every head; save the tables and figures; return the per-layer table."""
-    t0 = time.time()
-    if num_threads:
-        torch.set_num_threads(int(num_threads))
+@dataclass(frozen=True)
+class AttributionSettings:
+    """The analysis node's keys (conf/analysis/attribution.yaml): which sentences, which attribution methods,
+    which map kinds."""
+
+    split: str = "dev"
+    max_sentences: int | None = None    # first N sentences of the split (file order); None = all
+    n_shortest: int | None = 50         # of those, the N shortest with >= min_words words; None = all
+    min_words: int = 5
+    methods: tuple[str, ...] = ("ixg", "ig")
+    ig_steps: int = 20
+    baseline: str = "zero"              # zero | pad: the IG baseline
+    chunk_size: int | None = 1024       # backward passes per batch
+    captum_check: int = 2               # first N sentences: one random target per method re-done with captum
+    num_threads: int | None = None      # torch CPU threads; None = torch's default
+    kinds: tuple[str, ...] | None = None  # map kinds compared with the attribution; None = extract.maps
+    seed: int = 0
+
+
+@dataclass
+class AttributionResult:
+    """What :func:`compute` returns: the running sums of every (kind, method) comparison and the pattern counts."""
+
+    settings: AttributionSettings
+    kinds: list[str]                    # the map kinds compared, in order
+    num_layers: int
+    order: list[int]                    # the sentences used (indices into the first max_sentences), shortest first
+    n_pieces: list[int]                 # pieces of each sentence of ``order``
+    comparisons: dict[tuple[str, str], _Acc]   # (kind, method) -> sums
+    patterns: dict[str, np.ndarray]     # map kind or method -> (L, len(PATTERNS)) argmax pattern counts
+    n_used: dict[str, int]              # kind -> sentences within its length bound
+    checks: list[dict]                  # captum re-computations: max |diff| of one target each
+    work: np.ndarray                    # (N, M, L) estimated GFLOPs per sentence, method and layer
+
+
+@dataclass
+class AttributionTables:
+    """The analysis's tables (``attribution_<name>.csv``); ``captum_check`` is None when nothing was checked."""
+
+    heads: pd.DataFrame
+    layers: pd.DataFrame
+    patterns: pd.DataFrame
+    captum_check: pd.DataFrame | None
+
+
+def compute(ctx, settings: AttributionSettings) -> AttributionResult:
+    """Attribution distributions of every chosen sentence compared with every map kind (no files written).
+
+    Args:
+        ctx: The analysis context (encoder, sentences, device, map kinds).
+        settings: The analysis's settings.
+
+    Returns:
+        The running sums, pattern counts and captum checks.
+    """
+    st = settings
+    if st.num_threads:
+        torch.set_num_threads(int(st.num_threads))
     enc = ctx.encoder
-    sents = ctx.sentences(split, max_sentences)  # first max_sentences, file order
+    sents = ctx.sentences(st.split, st.max_sentences)  # first max_sentences, file order
     encoded = encode_words(enc.tokenizer, [list(s.words) for s in sents])
-    order = select_shortest([s.n for s in sents], [e.n_pieces for e in encoded], n_shortest, min_words,
+    order = select_shortest([s.n for s in sents], [e.n_pieces for e in encoded], st.n_shortest, st.min_words,
                             enc.max_length)
     model = enc.model.to(ctx.device)
     pad_id = enc.tokenizer.pad_token_id if enc.tokenizer.pad_token_id is not None else 0
-    if kinds:
-        kinds = [str(k) for k in kinds]
+    if st.kinds:
+        kinds = [str(k) for k in st.kinds]
         measures = dict(ctx.measure(k) for k in kinds)
     else:
         kind, measure = ctx.measure()
         kinds, measures = [kind], {kind: measure}
     L, NH = enc.num_layers, enc.num_heads
-    methods = list(methods)
+    methods = list(st.methods)
+    ig_steps = st.ig_steps
     acc = {(k, m): _Acc(L, measures[k].heads(NH)) for k in kinds for m in methods}
     pats = {src: np.zeros((L, len(PATTERNS))) for src in [*kinds, *methods]}
     n_used = dict.fromkeys(kinds, 0)
-    rng = random.Random(seed)
+    rng = random.Random(st.seed)
     checks = []
-    work = work_gflops(model, [encoded[i].n_pieces for i in order], methods, ig_steps)  # (N, M, L) GFLOPs
+    n_pieces = [encoded[i].n_pieces for i in order]
+    work = work_gflops(model, n_pieces, methods, ig_steps)  # (N, M, L) GFLOPs
     log.info("attribution: %d sentences (%d pieces, longest %d), methods %s, ig_steps %d: about %.0f GFLOP of "
              "backward passes (%s per method; cost grows with pieces^2); progress weighted by it",
-             len(order), sum(encoded[i].n_pieces for i in order), max((encoded[i].n_pieces for i in order), default=0),
+             len(order), sum(n_pieces), max(n_pieces, default=0),
              methods, ig_steps, work.sum(), ", ".join(f"{m} {w:.0f}" for m, w in zip(methods, work.sum((0, 2)))))
     bar = tqdm(total=round(float(work.sum()), 1), desc="attribution", unit="GFLOP", disable=False, mininterval=10,
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} GFLOP [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
     for k, i in enumerate(order):
-        ids = torch.tensor(encoded[i].input_ids, device=ctx.device)
+        ids = torch.tensor(encoded[i].input_ids, device=ctx.device)  # (T,)
         n = len(ids)
         maps = {}
         for kind in kinds:
@@ -320,51 +376,51 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
                 maps[kind] = kind_maps(measures[kind], model, ids)  # (L, H', T, T), rows sum to 1
                 pats[kind] += pattern_counts(maps[kind])
                 n_used[kind] += 1
-        base = ig_baseline(model, ids, baseline, pad_id)  # (T, E)
+        base = ig_baseline(model, ids, st.baseline, pad_id)  # (T, E)
         for mi, m in enumerate(methods):
             bar.set_postfix_str(f"sentence {k + 1}/{len(order)} ({n} pieces), {m}", refresh=False)
-            dist = head_distributions(model, ids, m, ig_steps, chunk_size, base,
+            dist = head_distributions(model, ids, m, ig_steps, st.chunk_size, base,
                                       progress=lambda l, share, k=k, mi=mi: bar.update(float(work[k, mi, l]) * share)
                                       ).cpu().numpy()  # (L, H, T, T)
             pats[m] += pattern_counts(dist)
             for kind, mp in maps.items():  # the one attribution against every kind
                 acc[kind, m].add(dist if mp.shape[1] == dist.shape[1] else dist.mean(1, keepdims=True), mp)
-            if k < captum_check and m in CAPTUM_CHECKED:  # one random target per method and sentence vs captum
+            if k < st.captum_check and m in CAPTUM_CHECKED:  # one random target per method and sentence vs captum
                 l, h, p = rng.randrange(L), rng.randrange(NH), rng.randrange(n)
                 ref = attribution_distribution(captum_head_attribution(model, ids, l, h, p, m, ig_steps, base))
                 checks.append(dict(method=m, sentence=i, layer=l, head=h, pos=p,
                                    max_abs_diff=float(np.abs(ref.cpu().numpy() - dist[l, h, p]).max())))
     bar.close()
+    return AttributionResult(st, kinds, L, order, n_pieces, acc, pats, n_used, checks, work)
+
+
+def tables(result: AttributionResult) -> AttributionTables:
+    """The per-head, per-layer and pattern tables of ``result`` (see the module doc for their columns)."""
+    L = result.num_layers
     hrows, lrows = [], []
-    for (kind, m), a in acc.items():
-        hd = a.heads()
-        df = layer_head_frame(hd, kind=kind, method=m)
+    for (kind, m), a in result.comparisons.items():
+        df = layer_head_frame(a.heads(), kind=kind, method=m)
         df["map_pattern"] = [PATTERNS[j] for j in a.map_pat.argmax(-1).ravel()]
         df["attr_pattern"] = [PATTERNS[j] for j in a.attr_pat.argmax(-1).ravel()]
         hrows.append(df)
-        ly = a.layers()
-        lrows.append(pd.DataFrame(dict(kind=kind, method=m, layer=np.arange(L), **ly)))
+        lrows.append(pd.DataFrame(dict(kind=kind, method=m, layer=np.arange(L), **a.layers())))
     heads = pd.concat(hrows, ignore_index=True)[["kind", "method", "layer", "head", "name", "js", "spearman", "top1",
                                                  "n", "map_pattern", "attr_pattern"]]
-    layers = pd.concat(lrows, ignore_index=True)
     prow = []
-    for src, cnt in pats.items():
+    for src, cnt in result.patterns.items():
         for l in range(L):
             tot = cnt[l].sum()
             for j, name in enumerate(PATTERNS):
                 prow.append(dict(source=src, layer=l, pattern=name, share=cnt[l, j] / tot if tot else np.nan,
                                  count=int(cnt[l, j])))
-    pat = pd.DataFrame(prow)
-    ctx.save_table(heads, "attribution_heads")
-    ctx.save_table(layers, "attribution_layers")
-    ctx.save_table(pat, "attribution_patterns")
-    if checks:
-        ctx.save_table(pd.DataFrame(checks), "attribution_captum_check")
-    ctx.save_figure(figure_layers(layers), "attribution_layers")
-    ctx.save_figure(figure_patterns(pat), "attribution_patterns")
-    fig = figure_heads(heads)
-    if fig is not None:
-        ctx.save_figure(fig, "attribution_heads")
+    return AttributionTables(heads=heads, layers=pd.concat(lrows, ignore_index=True), patterns=pd.DataFrame(prow),
+                             captum_check=pd.DataFrame(result.checks) if result.checks else None)
+
+
+def summary(ctx, result: AttributionResult, frames: AttributionTables) -> dict:
+    """The summary.json values of a run (without its seconds)."""
+    st, kinds, layers, pat = result.settings, result.kinds, frames.layers, frames.patterns
+    methods, enc = list(st.methods), ctx.encoder
 
     def means(g):  # per-layer values and their mean over layers
         return {c: dict(per_layer=[round(float(v), 4) for v in g[c]], mean=round(float(g[c].mean()), 4))
@@ -373,20 +429,59 @@ def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_
     trend = {f"{kind}/{m}": {c: float(np.corrcoef(g.layer, g[c])[0, 1]) if g[c].std() > 0 else None
                              for c in ("js", "spearman", "top1")}
              for (kind, m), g in layers.groupby(["kind", "method"], sort=False)}
-    ctx.log_summary(dict(
-        analysis="attribution", maps=kinds[0] if len(kinds) == 1 else kinds, kinds=kinds, split=split,
+    return dict(
+        analysis="attribution", maps=kinds[0] if len(kinds) == 1 else kinds, kinds=kinds, split=st.split,
         encoder=enc.name, model_type=enc.model_type, device=ctx.device,
-        max_sentences=max_sentences, n_shortest=n_shortest, min_words=min_words, n_sentences=len(order),
-        n_sentences_per_kind=n_used,
-        mean_pieces=float(np.mean([encoded[i].n_pieces for i in order])) if order else None,
-        methods=methods, ig_steps=ig_steps, baseline=baseline, seconds=round(time.time() - t0, 1),
-        estimated_gflop={m: round(float(w), 1) for m, w in zip(methods, work.sum((0, 2)))}, chunk_size=chunk_size,
+        max_sentences=st.max_sentences, n_shortest=st.n_shortest, min_words=st.min_words,
+        n_sentences=len(result.order), n_sentences_per_kind=result.n_used,
+        mean_pieces=float(np.mean(result.n_pieces)) if result.order else None,
+        methods=methods, ig_steps=st.ig_steps, baseline=st.baseline,
+        estimated_gflop={m: round(float(w), 1) for m, w in zip(methods, result.work.sum((0, 2)))},
+        chunk_size=st.chunk_size,
         per_layer={m: {c: [round(float(v), 4) for v in g[c]] for c in ("js", "spearman", "top1")}
                    for m, g in layers[layers.kind == kinds[0]].groupby("method")},
         comparison={f"{kind}/{m}": means(g) for (kind, m), g in layers.groupby(["kind", "method"], sort=False)},
         depth_trend_pearson_r=trend,
         patterns={src: {name: [round(float(v), 3) for v in pat[(pat.source == src) & (pat.pattern == name)].share]
-                        for name in PATTERNS} for src in pats},
-        captum_max_abs_diff=max((c["max_abs_diff"] for c in checks), default=None)))
-    log.info("attribution: %d sentences, kinds %s, in %.1fs", len(order), kinds, time.time() - t0)
-    return layers
+                        for name in PATTERNS} for src in result.patterns},
+        captum_max_abs_diff=max((c["max_abs_diff"] for c in result.checks), default=None))
+
+
+def save(ctx, result: AttributionResult, frames: AttributionTables, started: float) -> None:
+    """Write the tables, the figures and summary.json into ``ctx.output_dir``.
+
+    Args:
+        ctx: The analysis context.
+        result: What :func:`compute` returned.
+        frames: What :func:`tables` made of it.
+        started: ``time.time()`` at the start of the run (the summary's seconds).
+    """
+    ctx.save_table(frames.heads, "attribution_heads")
+    ctx.save_table(frames.layers, "attribution_layers")
+    ctx.save_table(frames.patterns, "attribution_patterns")
+    if frames.captum_check is not None:
+        ctx.save_table(frames.captum_check, "attribution_captum_check")
+    ctx.save_figure(figure_layers(frames.layers), "attribution_layers")
+    ctx.save_figure(figure_patterns(frames.patterns), "attribution_patterns")
+    fig = figure_heads(frames.heads)
+    if fig is not None:
+        ctx.save_figure(fig, "attribution_heads")
+    ctx.log_summary(dict(summary(ctx, result, frames), seconds=round(time.time() - started, 1)))
+    log.info("attribution: %d sentences, kinds %s, in %.1fs", len(result.order), result.kinds, time.time() - started)
+
+
+def attribution(ctx, *, split: str = "dev", max_sentences: int | None = None, n_shortest: int | None = 50,
+                min_words: int = 5, methods=("ixg", "ig"), ig_steps: int = 20, baseline: str = "zero",
+                chunk_size: int | None = 1024, captum_check: int = 2, num_threads: int | None = None,
+                kinds=None, seed: int = 0) -> pd.DataFrame:
+    """Attribution vs each map kind for every head (the keys: :class:`AttributionSettings`, the module doc);
+    save the tables and figures; return the per-layer table."""
+    started = time.time()
+    settings = AttributionSettings(split=split, max_sentences=max_sentences, n_shortest=n_shortest,
+                                   min_words=min_words, methods=tuple(methods), ig_steps=ig_steps, baseline=baseline,
+                                   chunk_size=chunk_size, captum_check=captum_check, num_threads=num_threads,
+                                   kinds=tuple(kinds) if kinds else None, seed=seed)
+    result = compute(ctx, settings)
+    frames = tables(result)
+    save(ctx, result, frames, started)
+    return frames.layers

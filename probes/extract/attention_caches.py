@@ -1,4 +1,5 @@
-"""Cache stage: (encoder, treebank split, extraction settings) -> complete attention cache entry.
+"""The attention caches of treebank splits: (encoder, treebank split, extraction settings) -> complete attention
+cache entry, and :func:`run`, the stage's command (``python -m probes.extract``).
 
 :func:`ensure_cache` extracts in this process; :func:`ensure_caches` extracts whatever is missing in a
 child process, so the caller (the training job) never holds the encoder's weights or the
