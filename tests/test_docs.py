@@ -148,7 +148,7 @@ def test_readme_is_a_landing_page():
     assert n <= MAX_README_LINES, f"README.md has {n} lines; at most {MAX_README_LINES} (move details to docs/)"
     # the quick start comes before the main job, and the commands CI and users run are there as they are
     assert text.index("python train.py experiment=smoke") < text.index("python train.py -m 'experiment=glob(table3_*)'")
-    assert "pip install torch==2.13.0 -e \".[dev]\"" in text
+    assert "pip install --no-compile torch==2.13.0 -e \".[dev]\"" in text
     assert "PROBES_DATA_DIR=../shared/data WANDB_MODE=offline python -m pytest -q" in text
     assert "mkdocs serve" in text
 
