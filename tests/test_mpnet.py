@@ -22,6 +22,7 @@ from probes.model import attention_function, hooks, structure
 from probes.model.inputs import encode_words
 from probes.model.tiny import tiny_encoder, tiny_folder
 from tests.conftest import require_model
+from tests.reference import eager_word_maps, text_pieces
 from tests.test_measures import KINDS, MEASURES, ref_flow, ref_rollout
 
 SENTS = [["The", "unbelievably", "quick", "fox", "jumped", "over", "the", "dog", "."], ["Hello", "!"],
@@ -34,47 +35,6 @@ def folder(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- references
-def pieces_by_offsets(tok, words: list[str]) -> tuple[list[int], list[int | None]]:
-    """(ids, word of each piece, None for specials) of ``" ".join(words)`` by MPNet's tokenizer, a piece's word
-    from the characters its offsets cover (a loop over the characters)."""
-    text = " ".join(words)
-    owner = []
-    for k, w in enumerate(words):
-        owner += [k] * len(w) + [None]
-    enc = tok(text, return_offsets_mapping=True, return_special_tokens_mask=True)
-    wids = []
-    for t, (a, b) in enumerate(enc["offset_mapping"]):
-        hit = [owner[c] for c in range(a, b) if owner[c] is not None]
-        wids.append(None if enc["special_tokens_mask"][t] else hit[0])
-    return list(enc["input_ids"]), wids
-
-
-def pool_loops(att: np.ndarray, wids: list[int | None], n_words: int) -> np.ndarray:
-    """(L, H, T, T) -> (L, H, W, W), W = n_words + 2: row 0 <s>, rows 1..n the words, row W-1 </s>; rows the mean
-    over the row word's pieces, columns the sum over the column word's pieces, by loops."""
-    groups = [[0]] + [[t for t, w in enumerate(wids) if w == k] for k in range(n_words)] + [[len(wids) - 1]]
-    L, H, W = att.shape[0], att.shape[1], n_words + 2
-    out = np.zeros((L, H, W, W))
-    for l in range(L):
-        for h in range(H):
-            for r in range(W):
-                for c in range(W):
-                    total = 0.0
-                    for i in groups[r]:
-                        for j in groups[c]:
-                            total += float(att[l, h, i, j])
-                    out[l, h, r, c] = total / len(groups[r])
-    return out
-
-
-def eager_maps(ref: MPNetModel, tok, words: list[str]) -> np.ndarray:
-    """(L, H, W, W) word maps of a plain eager forward of the sentence, pooled by loops."""
-    ids, wids = pieces_by_offsets(tok, words)
-    with torch.no_grad():
-        att = ref(input_ids=torch.tensor([ids]), output_attentions=True).attentions
-    return pool_loops(torch.stack(att)[:, 0].double().numpy(), wids, len(words))
-
-
 def plain_layer(ref: MPNetModel, l: int, X: torch.Tensor, uniform=(), zero_heads=(), zero: int | None = None):
     """Layer ``l`` of MPNet written out on its input X (T, D) of one unpadded sentence: q, k, v, scores / sqrt(d)
     + relative position bias, softmax, per-head context, o, LayerNorm, feed-forward, LayerNorm.
@@ -132,7 +92,7 @@ def test_tokenizer_is_mpnets_own(folder):
 def test_words_read_as_running_text(folder):
     tok = tiny_encoder("mpnet", root=folder.parent.parent).tokenizer
     for words, e in zip(SENTS, encode_words(tok, SENTS)):
-        ids, wids = pieces_by_offsets(tok, words)
+        ids, wids = text_pieces(tok, words)
         assert e.input_ids == ids and ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
         assert e.word_of_piece == [-1, *wids[1:-1], len(words)]
         assert tok.unk_token_id not in ids
@@ -161,9 +121,9 @@ def test_word_maps_equal_eager_forward(folder):
     got = probes.word_maps(enc, SENTS, device="cpu")
     for words, wm in zip(SENTS, got):
         assert wm.labels == ["<s>", *words, "</s>"]
-        np.testing.assert_allclose(wm.maps, eager_maps(ref, tok, words), rtol=1e-4, atol=2e-6)
+        np.testing.assert_allclose(wm.maps, eager_word_maps(ref, tok, words)[0], rtol=1e-4, atol=2e-6)
     # the raw capture of a right-padded batch: each sentence's (L, H, T, T) = the eager forward's attentions
-    seqs = [pieces_by_offsets(tok, w)[0] for w in SENTS]
+    seqs = [text_pieces(tok, w)[0] for w in SENTS]
     T = max(map(len, seqs))
     ids = torch.tensor([x + [tok.pad_token_id] * (T - len(x)) for x in seqs])
     mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in seqs])
@@ -181,7 +141,7 @@ def test_word_maps_equal_eager_forward(folder):
 def test_plain_forward_is_mpnet(folder):
     """The reimplementation the interventions are checked against is MPNet (its states and attentions)."""
     ref = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
-    ids = torch.tensor(pieces_by_offsets(AutoTokenizer.from_pretrained(folder), SENTS[0])[0])
+    ids = torch.tensor(text_pieces(AutoTokenizer.from_pretrained(folder), SENTS[0])[0])
     with torch.no_grad():
         out = ref(input_ids=ids[None], output_attentions=True)
         hs, atts, _ = plain_forward(ref, ids)
@@ -196,7 +156,7 @@ def test_head_intervention_equals_plain_forward(folder, what):
     reimplementation with that head changed; the other heads and layer 0 are untouched."""
     enc = tiny_encoder("mpnet", root=folder.parent.parent)
     ref = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
-    ids = torch.tensor(pieces_by_offsets(enc.tokenizer, SENTS[2])[0])
+    ids = torch.tensor(text_pieces(enc.tokenizer, SENTS[2])[0])
     gates = torch.ones(2, 4)
     gates[1, 2] = 0.0
     kw = dict(uniform={1: [2]}) if what == "uniform" else dict(gates=gates)
@@ -301,7 +261,7 @@ def test_every_kind_matches_its_reference(folder):
     """Each map kind on a right-padded batch of two sentences equals its reference written out for MPNet."""
     model, ref = _scaled(folder)
     tok = AutoTokenizer.from_pretrained(folder)
-    seqs = [pieces_by_offsets(tok, w)[0] for w in (SENTS[1], ["The", "fox", "saw", "John", "'s", "dog", "."])]
+    seqs = [text_pieces(tok, w)[0] for w in (SENTS[1], ["The", "fox", "saw", "John", "'s", "dog", "."])]
     T = max(map(len, seqs))
     ids = torch.tensor([x + [tok.pad_token_id] * (T - len(x)) for x in seqs])
     mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in seqs])
@@ -342,4 +302,4 @@ def test_real_mpnet_maps_equal_eager_forward():
     tok = AutoTokenizer.from_pretrained(path)
     sents = SENTS[:2]
     for words, wm in zip(sents, probes.word_maps(enc, sents, device="cpu")):
-        np.testing.assert_allclose(wm.maps, eager_maps(ref, tok, words), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(wm.maps, eager_word_maps(ref, tok, words)[0], rtol=1e-4, atol=1e-5)

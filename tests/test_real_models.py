@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from transformers import AutoModel, AutoTokenizer
 
 import probes
 from conftest import ROOT, require_model, require_shared
+from tests.reference import eager_word_maps
 
 pytestmark = pytest.mark.slow
 
@@ -101,53 +101,6 @@ def real(request):
     enc.release()
 
 
-def pooled_by_loops(att: np.ndarray, groups: list[list[int]]) -> np.ndarray:
-    """(L, H, R, R) word maps of piece maps ``att`` (L, H, T, T): attention from a row group is the mean over its
-    pieces, attention to a column group the sum over its pieces (the project's pooling, docs/concepts.md)."""
-    L, H = att.shape[:2]
-    R = len(groups)
-    out = np.zeros((L, H, R, R))
-    for l in range(L):
-        for h in range(H):
-            for i, rows in enumerate(groups):
-                for j, cols in enumerate(groups):
-                    total = 0.0
-                    for p in rows:
-                        for q in cols:
-                            total += att[l, h, p, q]
-                    out[l, h, i, j] = total / len(rows)
-    return out
-
-
-def eager_reference(model, tokenizer, words: list[str]) -> tuple[np.ndarray, list[str]]:
-    """(L, H, R, R) maps and row labels of one sentence: the tokenizer on the raw joined text (its own special
-    tokens), an eager forward with ``output_attentions``, pieces mapped to words by their character offsets (a
-    piece of spaces alone goes to the next word), each special token a row of its own."""
-    text = " ".join(words)
-    owner = []  # owner[c]: the word of character c, None for a space
-    for k, w in enumerate(words):
-        owner += [k] * len(w) + [None]
-    enc = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
-    ids = enc["input_ids"]
-    groups, labels, seen = [], [], {}
-    for t, ((a, b), special) in enumerate(zip(enc["offset_mapping"], enc["special_tokens_mask"])):
-        if special:
-            groups.append([t])
-            labels.append(tokenizer.convert_ids_to_tokens(ids[t]))
-            continue
-        hit = [owner[c] for c in range(a, b) if owner[c] is not None]
-        word = hit[0] if hit else next(owner[c] for c in range(b, len(text)) if owner[c] is not None)
-        if word not in seen:
-            seen[word] = len(groups)
-            groups.append([])
-            labels.append(words[word])
-        groups[seen[word]].append(t)
-    with torch.no_grad():
-        att = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
-    att = torch.stack(att)[:, 0].double().numpy()  # (L, H, T, T)
-    return pooled_by_loops(att, groups), labels
-
-
 def test_word_maps_equal_an_eager_forward_pooled_by_loops(real):
     name, enc = real
     n, layers, _ = PLAN[name]
@@ -158,7 +111,7 @@ def test_word_maps_equal_an_eager_forward_pooled_by_loops(real):
     got = probes.word_maps(enc, sentences, layers=layers, device="cpu")
     chosen = list(range(enc.num_layers)) if layers is None else layers
     for words, wm in zip(sentences, got):
-        want, labels = eager_reference(model, tokenizer, words)
+        want, labels = eager_word_maps(model, tokenizer, words)
         assert wm.labels == labels, (wm.labels, labels)
         assert wm.maps.shape == (len(chosen), enc.num_heads, len(labels), len(labels))
         np.testing.assert_allclose(wm.maps, want[chosen], atol=1e-4, err_msg=f"{name}: {' '.join(words)}")
