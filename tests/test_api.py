@@ -162,6 +162,17 @@ def test_packaged_minilm_word_maps_equal_eager_forward():
 
 
 # ----------------------------------------------------------------------------- encoders
+def test_encoder_by_config_name_equals_the_command_lines():
+    """``load_encoder("tiny")`` is ``encoder=tiny`` of conf/encoder/tiny.yaml: same weights, same maps."""
+    by_name = probes.load_encoder("tiny")
+    by_conf = instantiate(compose("analyze", ["encoder=tiny"]).encoder)
+    assert by_name.name == by_conf.name and by_name.num_layers == 2
+    a, b = probes.word_maps(by_name, [SENTS[0]]), probes.word_maps(by_conf, [SENTS[0]])
+    np.testing.assert_array_equal(a[0].maps, b[0].maps)
+    with pytest.raises(FileNotFoundError):
+        probes.load_encoder("no_such_encoder_config")
+
+
 def test_finetuned_run_folder_gives_its_encoder(models, tmp_path):
     """A GLUE run folder (hf_model/ holding a sequence classifier): head=base is the classifier's encoder."""
     run = tmp_path / "run"

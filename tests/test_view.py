@@ -21,7 +21,7 @@ import probes
 from probes.model.tiny import tiny_folder
 from probes.report.mapview import LINE_MIN_SHARE, KindMaps, write_view
 from probes.report.view import run
-from tests.conftest import find_browser
+from tests.conftest import ROOT, find_browser
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCE = "The cat sat on the mat ."
@@ -224,4 +224,10 @@ def test_command_errors_name_the_key(tmp_path):
         run(["encoder=tiny", "sentence=a b", "layers=[0,one]", f"out={tmp_path / 'v.html'}"])
     with pytest.raises(KeyError, match="no_such_kind"):
         run(["encoder=tiny", "sentence=a b", "kinds=[no_such_kind]", f"out={tmp_path / 'v.html'}"])
+    assert not (tmp_path / "v.html").exists()
+    out = subprocess.run([sys.executable, "-m", "probes.report.view", "encoder=tiny", "sentence=a b",
+                          "kinds=[no_such_kind]", f"out={tmp_path / 'v.html'}"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("probes-view: error: ") and "no_such_kind" in out.stderr
     assert not (tmp_path / "v.html").exists()

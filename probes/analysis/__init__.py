@@ -16,6 +16,8 @@ Run with ``python -m probes.analyze analysis=<name>``; one module per analysis:
 * :mod:`probes.analysis.pascual.attribution` - gradient attribution of head outputs vs attention (Pascual et al. 2021).
 * :mod:`probes.analysis.kovaleva.finetune_cosine`, :mod:`probes.analysis.kovaleva.disable_heads`,
   :mod:`probes.analysis.kovaleva.pattern_types`, :mod:`probes.analysis.kovaleva.linguistic_attention` - Kovaleva et al. 2019.
+* :mod:`probes.analysis.beyond.sink` - Gu et al. 2024's attention-sink metric: per head, the mean attention to
+  the first token on 64-piece windows of running text, and the share of heads above a threshold.
 
 Conventions: every file (CSV, JSON) uses **0-based** ``layer`` and ``head`` columns; figures and
 the ``name`` columns use the paper's **1-based** ``layer-head`` names (``8-10`` is layer index 7,

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -67,13 +68,20 @@ def run(overrides: Sequence[str]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The console script: ``argv`` (default ``sys.argv[1:]``) are overrides of conf/view.yaml; ``--help``
-    prints its header. Prints the page's path."""
+    prints its header. Prints the page's path; bad input exits with status 2 and one line naming the key at
+    fault (no traceback)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         head = [ln for ln in (CONF_DIR / "view.yaml").read_text().splitlines() if ln.startswith("#")]
         print("\n".join(ln[2:] for ln in head))
         return
-    print(run(args))
+    try:
+        page = run(args)
+    except (ValueError, KeyError, FileNotFoundError, OverrideParseException, ConfigCompositionException) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"probes-view: error: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(page)
 
 
 if __name__ == "__main__":

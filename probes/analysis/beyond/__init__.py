@@ -1,1 +1,2 @@
-"""Analyses beyond the four papers: ``faithfulness`` (which map kind tells what a classifier's prediction used)."""
+"""Analyses beyond the four papers: ``faithfulness`` (which map kind tells what a classifier's prediction used),
+``sink`` (Gu et al. 2024's attention-sink rate: heads whose mean attention to the first token exceeds a threshold)."""

@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,7 @@ from probes.extract import runner
 from probes.extract.runner import WordLists
 from probes.extract.settings import ExtractSettings
 from probes.extract.stage import AttentionMaps
+from probes.model.families import special_ids
 from probes.model.inputs import encode_words
 
 log = logging.getLogger(__name__)
@@ -85,47 +87,61 @@ class Segment:
     last_sentence: int
     word_start: int  # document-level word range [word_start, word_end)
     word_end: int
-    n_pieces: int  # wordpieces incl. [CLS] and [SEP]
+    n_pieces: int  # wordpieces incl. the special tokens ([CLS] and [SEP])
 
 
 def sentence_pieces(tokenizer, docs: list[CorefDocument]) -> list[list[int]]:
-    """Wordpieces of every sentence (no [CLS]/[SEP]), tokenized from its words as the cache does."""
+    """Wordpieces of every sentence without the tokenizer's special tokens, tokenized from its words as the
+    cache does."""
+    first, last = special_ids(tokenizer)
     flat = [list(s.words) for d in docs for s in d.sentences]
     enc = encode_words(tokenizer, flat) if flat else []
     out, k = [], 0
     for d in docs:
-        out.append([enc[k + i].n_pieces - 2 for i in range(len(d.sentences))])
+        out.append([enc[k + i].n_pieces - len(first) - len(last) for i in range(len(d.sentences))])
         k += len(d.sentences)
     return out
 
 
+def segment_length(tokenizer, doc: CorefDocument) -> Callable[[int, int], int]:
+    """``length(a, b)``: the pieces, special tokens included, of sentences ``a .. b-1`` of ``doc`` read as one
+    running text (as the cache encodes a segment; a byte-level BPE gives a sentence that follows another a
+    leading space, so its pieces are not always those it has alone)."""
+    def length(a: int, b: int) -> int:
+        return encode_words(tokenizer, [[w for s in doc.sentences[a:b] for w in s.words]])[0].n_pieces
+    return length
+
+
 def segment_document(pieces: list[int], max_length: int, doc: int = 0,
-                     sentence_words: list[int] | None = None) -> tuple[list[Segment], list[int]]:
-    """Greedy packing of whole sentences into segments of <= max_length pieces incl. [CLS]/[SEP].
+                     sentence_words: list[int] | None = None,
+                     length: Callable[[int, int], int] | None = None) -> tuple[list[Segment], list[int]]:
+    """Greedy packing of whole sentences into segments of <= max_length pieces incl. the special tokens.
 
     ``pieces[i]``: wordpieces of sentence i without specials; ``sentence_words[i]``: its words
-    (defaults to ``pieces``, only used for the word offsets). Returns (segments, too_long sentences).
+    (defaults to ``pieces``, only used for the word offsets); ``length(a, b)``: pieces of sentences a..b-1 as
+    one sequence with its specials (:func:`segment_length`; default: their ``pieces`` summed + 2, [CLS]/[SEP]).
+    Returns (segments, too_long sentences).
     """
     words = sentence_words if sentence_words is not None else pieces
+    length = length or (lambda a, b: int(sum(pieces[a:b])) + 2)
     offsets = np.concatenate([[0], np.cumsum(words)]).astype(int)
     segs, too_long = [], []
-    cur, cur_pieces = None, 0
-    for i, p in enumerate(pieces):
-        if p + 2 > max_length:
+    cur = None
+    for i in range(len(pieces)):
+        if length(i, i + 1) > max_length:
             too_long.append(i)
             if cur is not None:
-                segs.append((cur, i, cur_pieces))
-            cur, cur_pieces = None, 0
+                segs.append((cur, i))
+            cur = None
             continue
-        if cur is not None and cur_pieces + p + 2 > max_length:
-            segs.append((cur, i, cur_pieces))
-            cur, cur_pieces = None, 0
+        if cur is not None and length(cur, i + 1) > max_length:
+            segs.append((cur, i))
+            cur = None
         if cur is None:
             cur = i
-        cur_pieces += p
     if cur is not None:
-        segs.append((cur, len(pieces), cur_pieces))
-    return [Segment(doc, a, b, int(offsets[a]), int(offsets[b]), n + 2) for a, b, n in segs], too_long
+        segs.append((cur, len(pieces)))
+    return [Segment(doc, a, b, int(offsets[a]), int(offsets[b]), length(a, b)) for a, b in segs], too_long
 
 
 # ----------------------------------------------------------------------------- mention features
@@ -382,7 +398,8 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
     pieces = sentence_pieces(enc.tokenizer, docs)
     segments, n_long = [], 0
     for i, d in enumerate(docs):
-        segs, long = segment_document(pieces[i], max_length, i, [len(s.words) for s in d.sentences])
+        segs, long = segment_document(pieces[i], max_length, i, [len(s.words) for s in d.sentences],
+                                      segment_length(enc.tokenizer, d))
         segments += segs
         n_long += len(long)
     if n_long:

@@ -14,8 +14,10 @@ no dropout) - and their ``.grad`` after ``backward()``, i.e. exactly ``dLoss/dA`
 ``dLoss/dcontext . V`` in ``tests/test_gradients.py``). The weights stay frozen: the graph starts at
 the word embeddings (``inputs_embeds`` with ``requires_grad``), so no parameter gradients are computed.
 
-Loss (``objective``, Hydra ``_target_`` objects; the batch loss is the *sum over sequences of each
-sequence's own loss*, so a sequence's gradients do not depend on what it is batched with):
+Loss (``objective``, Hydra ``_target_`` objects). Each objective says how its sequences are batched
+(:meth:`Objective.batches`): per-sequence objectives (mlm, lm, classification) are batched by length and their batch
+loss is the *sum over sequences of each sequence's own loss*; the contrastive objective runs one forward per fixed
+group of pairs. Either way a sequence's gradients do not depend on ``max_tokens`` / ``max_batch_size``:
 
 * :class:`MLMObjective` (Clark's choice): the first ``max_sentences`` sentences of the treebank
   ``split``, each ``[CLS] s [SEP]``; 15% of the non-special wordpieces of each sentence (at least
@@ -23,7 +25,8 @@ sequence's own loss*, so a sequence's gradients do not depend on what it is batc
   cross-entropy over the masked positions. The model is the encoder loaded with its MLM head
   (``instantiate(encoder, head="mlm")`` of the objective's ``encoder`` node, ``${encoder}`` in the config). A checkpoint without one (the packaged all-MiniLM-L6-v2
   is a sentence-embedding model) raises :class:`probes.model.load.MissingHeadError` naming the
-  alternatives; objectives are never swapped silently. Random-weight encoders (``random_init: true``,
+  alternatives (for sentence-embedding encoders: ``objective=contrastive``, their own training loss);
+  objectives are never swapped silently. Random-weight encoders (``random_init: true``,
   ``bert_base_random``, ``tiny``) get a random MLM head like the rest of their weights.
 * :class:`ClassificationObjective`: a fine-tuned sequence classifier (``checkpoint``: GLUE run
   folder, its ``hf_model`` folder or a Lightning ``.ckpt``; :func:`probes.glue.export.load_finetuned`)
@@ -38,6 +41,17 @@ sequence's own loss*, so a sequence's gradients do not depend on what it is batc
   ``head`` from the objective's config). The targets are ``first`` (position 0: BOS or the first word,
   where decoders park attention), ``punct`` and ``other``: :data:`LM_TARGETS`. Every key a causal row
   sees counts; keys a row cannot see (later tokens) have probability 0 and are left out.
+* :class:`ContrastiveObjective` (sentence-embedding encoders: all-MiniLM-L6-v2 ``encoder=minilm``,
+  all-mpnet-base-v2 ``encoder=mpnet_base``, trained with it): sentence-transformers'
+  MultipleNegativesRankingLoss with in-batch negatives on paraphrase pairs, the first ``max_sentences``
+  label-1 pairs of the GLUE task ``pairs_task`` (``mrpc``), split ``pairs_split`` (``train``; the
+  analysis' ``split`` is not read), file order. Each sentence is encoded alone (``[CLS] s [SEP]``, truncated to
+  ``max_length``); its embedding is the mean of the last hidden state over its real tokens, specials included
+  (sentence-transformers' ``Pooling(mean)``); the loss of a group is the cross-entropy of each anchor's
+  ``scale`` x cosine similarities to all positives of its group (the right one: the same index), averaged over
+  the anchors. Groups are fixed: group k = pairs ``k*g .. k*g+g-1`` (``g = group_size``), one forward over its
+  2g sentences (anchors then positives); a last group of one pair (no negative: loss 0) is dropped. The
+  model is the encoder without a head (``head="base"``); targets :data:`TARGETS`.
 
 Outputs: ``grad_sep.csv`` (layer, target, stat, value; 0-based layer; stats ``mean_abs``,
 ``mean``, ``count``), ``grad_sep.png`` (per-layer curves like Figure 3), ``summary.json``.
@@ -62,7 +76,7 @@ from probes.analysis.clark.metrics import is_causal, is_period_comma, piece_stri
 from probes.data.glue import read_glue
 from probes.model import hooks
 from probes.model.families import is_byte_level, usable_max_length
-from probes.model.inputs import Encoded, encode_texts, encode_words, length_batches, pad
+from probes.model.inputs import Encoded, encode_text_batch, encode_texts, encode_words, length_batches, pad
 from probes.model.load import MissingHeadError
 from probes.glue.export import load_finetuned
 
@@ -101,11 +115,27 @@ def load_masked_lm(encoder_cfg) -> Model:
     try:
         model = enc.model  # weights load here
     except MissingHeadError as e:
-        raise MissingHeadError(f"grad_sep (objective=mlm): {e}") from e
+        raise MissingHeadError(f"grad_sep (objective=mlm): {e} Sentence-embedding encoders (encoder=minilm, "
+                               "encoder=mpnet_base): analysis.objective=contrastive, their own training loss.") from e
     return Model(model, enc.tokenizer, enc.name, enc.max_length)
 
 
-class MLMObjective:
+class Objective:
+    """What every objective shares: its targets and how :func:`compute` batches its items."""
+
+    targets = TARGETS
+
+    def batches(self, items: list[dict], max_tokens: int, max_batch_size: int) -> list[list[int]]:
+        """Indices of ``items`` per forward: by length (shortest first), batch size * longest <= ``max_tokens``
+        and at most ``max_batch_size`` sequences (:func:`probes.model.inputs.length_batches`)."""
+        return length_batches([len(it["ids"]) for it in items], max_tokens, max_batch_size)
+
+    def summary(self, split: str) -> dict:
+        """What ``summary.json`` records about the data read: the analysis' ``split``."""
+        return dict(split=split)
+
+
+class MLMObjective(Objective):
     """Masked-LM loss on ``[CLS] s [SEP]`` treebank sentences (see module doc)."""
 
     name = "mlm"
@@ -172,7 +202,7 @@ class MLMObjective:
         return (ce.sum(1) / n).sum()
 
 
-class NextTokenObjective:
+class NextTokenObjective(Objective):
     """Next-token (causal LM) loss on treebank sentences, with the model's own LM head (see module doc)."""
 
     name = "lm"
@@ -224,7 +254,7 @@ class NextTokenObjective:
         return (ce.sum(1) / n).sum()
 
 
-class ClassificationObjective:
+class ClassificationObjective(Objective):
     """Loss of a fine-tuned sequence classifier on GLUE examples (see module doc).
 
     ``checkpoint``: GLUE run folder, ``hf_model`` folder or Lightning ``.ckpt`` (rebuilt on
@@ -285,6 +315,108 @@ class ClassificationObjective:
         if logits.shape[-1] == 1:
             return ((logits.squeeze(-1) - labels.float()) ** 2).sum()
         return torch.nn.functional.cross_entropy(logits, labels.long(), reduction="sum")
+
+
+PARAPHRASE_TASKS = ("mrpc", "qqp")  # GLUE pair tasks whose label 1 means "paraphrase" / "duplicate"
+
+
+class ContrastiveObjective(Objective):
+    """In-batch-negative contrastive loss (sentence-transformers' MultipleNegativesRankingLoss) of a
+    sentence-embedding encoder on paraphrase pairs, in fixed groups (see module doc)."""
+
+    name = "contrastive"
+
+    def __init__(self, encoder=None, scale: float = 20.0, group_size: int = 16, pairs_task: str = "mrpc",
+                 pairs_split: str = "train", data_dir: str | None = None):
+        """``encoder``: the encoder's config node (``${encoder}``), loaded without a head by :meth:`load`;
+        ``scale``: multiplies the cosine similarities; ``group_size``: pairs per group (>= 2);
+        ``pairs_task`` / ``pairs_split``: where the pairs come from; ``data_dir``: folder holding ``glue/``
+        (None: ``paths.data_dir``)."""
+        if int(group_size) != group_size or group_size < 2:
+            raise ValueError(f"analysis.objectives.contrastive.group_size={group_size!r}: needs an integer >= 2 "
+                             "(each anchor needs at least one in-group negative)")
+        if not float(scale) > 0:
+            raise ValueError(f"analysis.objectives.contrastive.scale={scale!r}: needs a positive number")
+        if pairs_task not in PARAPHRASE_TASKS:
+            raise ValueError(f"analysis.objectives.contrastive.pairs_task={pairs_task!r}: needs a GLUE task whose "
+                             f"label 1 means paraphrase, one of {PARAPHRASE_TASKS}")
+        self.encoder, self.scale, self.group_size = encoder, float(scale), int(group_size)
+        self.pairs_task, self.pairs_split, self.data_dir = pairs_task, pairs_split, data_dir
+
+    def load(self, ctx) -> Model:
+        """The encoder without a head (its last hidden state is what is pooled)."""
+        if self.encoder is None:
+            raise ValueError("grad_sep/contrastive: analysis.objectives.contrastive.encoder is not set "
+                             "(conf/analysis/grad_sep.yaml sets it to ${encoder}, the encoder's config node)")
+        enc = instantiate(self.encoder, head="base")
+        if enc.causal:
+            raise ValueError(f"grad_sep/contrastive: {enc.name} is a causal LM; objective=contrastive is the "
+                             "training loss of bidirectional sentence-embedding encoders (decoders: objective=lm)")
+        return Model(enc.model, enc.tokenizer, enc.name, enc.max_length)
+
+    def read_pairs(self, ctx, max_pairs: int | None) -> list:
+        """The first ``max_pairs`` label-1 pairs of ``pairs_task`` / ``pairs_split`` (file order)."""
+        examples = read_glue(self.pairs_task, self.pairs_split, self.data_dir or ctx.data_dir)
+        pos = [ex for ex in examples if ex.text_b is not None and ex.label == 1]
+        if not pos:
+            raise ValueError(f"grad_sep/contrastive: {self.pairs_task} {self.pairs_split} has no label-1 sentence "
+                             f"pairs (of {len(examples)} examples); set analysis.objectives.contrastive.pairs_task / "
+                             "pairs_split")
+        return pos[:max_pairs]
+
+    def sequences(self, ctx, tokenizer, split: str, max_sentences: int | None, max_length: int) -> list[dict]:
+        """The pairs' sentences in group order (anchors then positives of group 0, then group 1, ...), each
+        ``dict(ids, group)``, truncated to ``max_length``; ``max_sentences`` counts pairs; ``split`` is not read
+        (the pairs come from ``pairs_split``)."""
+        pairs = self.read_pairs(ctx, max_sentences)
+        g = self.group_size
+        if len(pairs) % g == 1:
+            log.warning("grad_sep/contrastive: the last pair is alone in its group (%d pairs, group_size %d) and "
+                        "is dropped (no in-group negative: loss 0)", len(pairs), g)
+            pairs = pairs[:-1]
+        if not pairs:
+            raise ValueError(f"grad_sep/contrastive: max_sentences={max_sentences} leaves no group of >= 2 pairs")
+        anchors = encode_text_batch(tokenizer, [p.text_a for p in pairs], max_length=max_length, truncation=True)
+        positives = encode_text_batch(tokenizer, [p.text_b for p in pairs], max_length=max_length, truncation=True)
+        out = []
+        for k, start in enumerate(range(0, len(pairs), g)):
+            out += [dict(ids=e.input_ids, group=k) for e in anchors[start:start + g]]
+            out += [dict(ids=e.input_ids, group=k) for e in positives[start:start + g]]
+        return out
+
+    def prepare(self, seqs: list[dict], tokenizer) -> list[dict]:
+        """The sequences unchanged."""
+        return seqs
+
+    def batches(self, items: list[dict], max_tokens: int, max_batch_size: int) -> list[list[int]]:
+        """One batch per group, in group order: its anchors then its positives (``max_tokens`` and
+        ``max_batch_size`` are not used: the group is the unit of the loss)."""
+        groups: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            groups.setdefault(it["group"], []).append(i)
+        return list(groups.values())
+
+    def batch(self, items: list[dict], tokenizer) -> Batch:
+        """Padded ids and mask of one group's 2n sentences; labels (n,): the index of each anchor's positive."""
+        if len(items) % 2:
+            raise ValueError(f"grad_sep/contrastive: a group needs anchors and positives in equal numbers, got "
+                             f"{len(items)} sentences")
+        x = pad([it["ids"] for it in items], tokenizer.pad_token_id)
+        return Batch(x["input_ids"], x["attention_mask"], torch.arange(len(items) // 2))
+
+    def summary(self, split: str) -> dict:
+        """The pairs' task and split (``split`` is not read), group size and scale."""
+        return dict(split=self.pairs_split, pairs_task=self.pairs_task, group_size=self.group_size, scale=self.scale)
+
+    def loss(self, out, batch: Batch) -> torch.Tensor:
+        """Mean over the anchors of the cross-entropy of ``scale`` x cosine(anchor, every positive)."""
+        h = out.last_hidden_state.float()  # (2n, T, E)
+        m = batch.attention_mask.to(h.device, h.dtype)[..., None]  # (2n, T, 1)
+        emb = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)  # (2n, E) mean over the real tokens
+        emb = torch.nn.functional.normalize(emb, dim=-1)  # (2n, E)
+        n = emb.shape[0] // 2
+        scores = self.scale * emb[:n] @ emb[n:].T  # (n, n) anchors x positives
+        return torch.nn.functional.cross_entropy(scores, batch.labels.to(scores.device))
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -378,13 +510,14 @@ class GradAccumulator:
 
 def compute(model, tokenizer, objective, items: list[dict], device: str = "cpu", max_tokens: int = 4096,
             max_batch_size: int = 32, progress: bool = True, causal: bool = False) -> GradAccumulator:
-    """Accumulate per-layer gradient statistics over ``items`` (objective-prepared sequences); targets
-    from the objective (``objective.targets``, default :data:`TARGETS`); ``causal``: only keys a row sees."""
+    """Accumulate per-layer gradient statistics over ``items`` (objective-prepared sequences), one forward per
+    batch of ``objective.batches``; targets from the objective (``objective.targets``); ``causal``: only keys a
+    row sees."""
     model = model.to(device)
-    names = getattr(objective, "targets", TARGETS)
+    names = objective.targets
     acc = GradAccumulator(int(model.config.num_hidden_layers), names, causal=causal)
     targets = Targets(tokenizer)
-    batches = length_batches([len(it["ids"]) for it in items], max_tokens, max_batch_size)
+    batches = objective.batches(items, max_tokens, max_batch_size)
     for b in tqdm(batches, desc="grad_sep", unit="batch", disable=None if progress else True):
         batch = objective.batch([items[i] for i in b], tokenizer)
         grads = attention_gradients(model, objective, batch, device)
@@ -417,8 +550,9 @@ def grad_sep(ctx, *, split: str = "dev", max_sentences: int | None = 1000, objec
     """Mean gradient of the objective's loss w.r.t. attention to [SEP] / punctuation / other, per layer.
 
     ``split`` / ``max_sentences``: the split read and its first N sentences (mlm: treebank sentences;
-    classification: GLUE examples), file order. ``max_length``: longest sequence in pieces (None: the
-    model's usable length); longer sentences are skipped (mlm), longer examples truncated (classification).
+    classification: GLUE examples; contrastive: N paraphrase pairs of its own ``pairs_split``), file order.
+    ``max_length``: longest sequence in pieces (None: the model's usable length); longer sentences are skipped
+    (mlm), longer examples and sentences truncated (classification, contrastive).
     """
     t0 = time.time()
     if isinstance(objective, str):
@@ -440,8 +574,8 @@ def grad_sep(ctx, *, split: str = "dev", max_sentences: int | None = 1000, objec
     ctx.save_figure(figure(df), "grad_sep")
     piv = df[df.stat != "count"].pivot_table(index=["stat", "target"], columns="layer", values="value")
     ctx.log_summary(dict(
-        analysis="grad_sep", objective=objective.name, model=m.name, causal=m.causal, split=split, max_length=max_length,
-        n_sequences=acc.n_sequences, seconds=round(time.time() - t0, 1), device=ctx.device,
+        analysis="grad_sep", objective=objective.name, model=m.name, causal=m.causal, **objective.summary(split),
+        max_length=max_length, n_sequences=acc.n_sequences, seconds=round(time.time() - t0, 1), device=ctx.device,
         per_layer={f"{s}/{t}": [float(v) for v in piv.loc[(s, t)].values] for s, t in piv.index}))
     log.info("grad_sep: %d sequences in %.1fs", acc.n_sequences, time.time() - t0)
     return df
