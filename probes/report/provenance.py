@@ -55,6 +55,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_description() -> str:
+    """:func:`cpu_model` with the family/model numbers and the matrix extensions it has (AVX-512, AVX512-BF16,
+    AMX), from /proc/cpuinfo (the model name alone elsewhere)."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            info.setdefault(k.strip(), v.strip())
+    except OSError:
+        return cpu_model()
+    flags = set(info.get("flags", "").split())
+    has = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+           if flag in flags] or ["AVX2" if "avx2" in flags else "no AVX2"]
+    return (f"{cpu_model()} (family {info.get('cpu family', '?')} model {info.get('model', '?')}; "
+            f"{', '.join(has)})")
+
+
 def machine() -> dict[str, Any]:
     """Host, CPU model and cores, GPU (when torch sees one), torch and Python versions."""
     out: dict[str, Any] = dict(host=platform.node(), cpu=cpu_model(), cores=os.cpu_count(),

@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from pathlib import Path
 
 import matplotlib
@@ -55,17 +56,35 @@ class Records:
     def steps(self) -> list[str]:
         return sorted(p.parent.name for p in self.root.glob("*/record.json"))
 
+    @cached_property
+    def meta(self) -> dict:
+        """The model's facts and sizes, as its first step's record holds them."""
+        return self.record(self.steps()[0])
+
     @property
     def name(self) -> str:
-        return self.record(self.steps()[0])["name"]
+        return self.meta["name"]
 
     @property
     def num_layers(self) -> int:
-        return int(self.record(self.steps()[0])["num_layers"])
+        return int(self.meta["num_layers"])
 
     @property
     def causal(self) -> bool:
-        return bool(self.record(self.steps()[0])["causal"])
+        return bool(self.meta["causal"])
+
+    def structural(self) -> pd.DataFrame:
+        """The structural sweep's finished jobs with their probed ``layer`` (hidden state, 0 = embeddings)."""
+        s = self.csv("structural", "summary.csv")
+        s = s[s.status == "ok"].copy()
+        s["layer"] = s.job.str.extract(r"data\.layer=(\d+)")[0].astype(int)
+        return s.sort_values("layer")
+
+    def grad_mean_abs(self) -> tuple[pd.DataFrame, str]:
+        """(layer x target mean |dL/dA| of the no-op test, the sink's target: ``first`` or ``sep``)."""
+        g = self.csv("grad_sep", "grad_sep.csv")
+        g = g[g.stat == "mean_abs"].pivot(index="layer", columns="target", values="value")
+        return g, "first" if "first" in g.columns else "sep"
 
 
 def first_stat(by_layer: pd.DataFrame) -> str:
@@ -95,10 +114,10 @@ def models_table(recs: list[Records]) -> str:
     """Each model: kind, layers x heads, own loss, sentence counts, wall time of its steps."""
     rows = []
     for r in recs:
-        sizes = r.record(r.steps()[0])["sizes"]
+        sizes = r.meta["sizes"]
         wall = sum(r.record(s)["wall_time_s"] for s in r.steps())
         loss = r.json("grad_sep")["objective"] if r.has("grad_sep") else "–"
-        heads = r.record(r.steps()[0])["num_heads"]
+        heads = r.meta["num_heads"]
         rows.append([r.name, "decoder" if r.causal else "encoder", f"{r.num_layers} x {heads}", loss,
                      f"{sizes['train']} / {sizes['dev']} / {sizes['test']}",
                      f"{sizes['clustering']} / {sizes['grad']} / {sizes['windows']}", f"{wall / 60:.1f}"])
@@ -140,12 +159,10 @@ def grad_table(recs: list[Records]) -> str:
     in the middle half of the layers (L // 4 .. 3 L // 4 - 1, 0-based)."""
     rows = []
     for r in recs:
-        d = r.csv("grad_sep", "grad_sep.csv")
-        d = d[d.stat == "mean_abs"]
-        sink = "first" if "first" in set(d.target) else "sep"
-        m = {t: d[d.target == t].value.mean() for t in (sink, "punct", "other")}
-        mid = d[d.layer.between(len(set(d.layer)) // 4, 3 * len(set(d.layer)) // 4 - 1)]
-        ratio_mid = mid[mid.target == sink].value.mean() / mid[mid.target == "other"].value.mean()
+        g, sink = r.grad_mean_abs()
+        m = {t: g[t].mean() for t in (sink, "punct", "other")}
+        mid = g.iloc[len(g) // 4:3 * len(g) // 4]  # the middle half of the layers
+        ratio_mid = mid[sink].mean() / mid["other"].mean()
         rows.append([r.name, r.json("grad_sep")["objective"], "first token" if sink == "first" else "[SEP]",
                      f"{m[sink]:.2e}", f"{m['punct']:.2e}", f"{m['other']:.2e}",
                      f"{m[sink] / m['other']:.2f}", f"{ratio_mid:.2f}"])
@@ -186,9 +203,7 @@ def probe_table(recs: list[Records]) -> str:
     for r in recs:
         a = r.json("table3_attn_only", "metrics.json")
         g = r.json("table3_attn_glove", "metrics.json")
-        s = r.csv("structural", "summary.csv")
-        s = s[s.status == "ok"].copy()
-        s["layer"] = s.job.str.extract(r"data\.layer=(\d+)")[0].astype(int)
+        s = r.structural()
         best = s.loc[s["val/uuas_best"].idxmax()]
         rows.append([r.name, pct(a["test/uas"]), pct(g["test/uas"]),
                      f"{int(best.layer)} of {r.num_layers} ({best.layer / r.num_layers:.2f})",
@@ -247,15 +262,10 @@ def depth_figure(recs: list[Records]):
         e = per_layer(d, "entropy")
         axes[1, 0].plot(depth(e.index), e.values, marker=".", color=line.get_color())
         if r.has("grad_sep"):
-            g = r.csv("grad_sep", "grad_sep.csv")
-            g = g[g.stat == "mean_abs"].pivot(index="layer", columns="target", values="value")
-            sink = "first" if "first" in g.columns else "sep"
+            g, sink = r.grad_mean_abs()
             axes[1, 1].plot(depth(g.index), g[sink] / g["other"], marker=".", color=line.get_color())
         if r.has("structural"):
-            s = r.csv("structural", "summary.csv")
-            s = s[s.status == "ok"].copy()
-            s["layer"] = s.job.str.extract(r"data\.layer=(\d+)")[0].astype(int)
-            s = s.sort_values("layer")
+            s = r.structural()
             axes[1, 2].plot(s.layer / L, s["test/uuas"], marker=".", color=line.get_color())
     for title, ax in panels:
         ax.set_title(title, fontsize=10)

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from probes.config import PROJECT_ROOT, plain
-from probes.survey.steps import ModelFacts, Step, display, recorded, run_step
+from probes.survey.steps import RECORD, ModelFacts, Step, display, recorded, run_step
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def run_survey(cfg: DictConfig, model: str, overrides: Sequence[str] = ()) -> di
         argv, record_dir = argvs[n], records_dir / n
         if not cfg.force and recorded(record_dir, display(argv), sizes):
             log.info("survey %s/%s: recorded, skipped (%s)", model, n, record_dir)
-            out[n] = OmegaConf.to_container(OmegaConf.load(record_dir / "record.json"))
+            out[n] = json.loads((record_dir / RECORD).read_text())
             continue
         run_dir = work_dir / n
         log.info("survey %s/%s: %s", model, n, display(argv))

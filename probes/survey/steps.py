@@ -12,7 +12,6 @@ so an interrupted survey resumes where it stopped.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
 import shutil
@@ -22,11 +21,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from probes.report.provenance import cpu_model, git_commit
-
-log = logging.getLogger(__name__)
+from probes.report.provenance import cpu_description, git_commit
 
 RECORD = "record.json"
 
@@ -48,19 +46,9 @@ class ModelFacts:
         """``text`` with ``{model}``, ``{objective}``, ``{layers}``, ``{num_layers}`` and ``{sizes.<key>}`` filled."""
         try:
             return text.format(model=self.model, objective=self.objective, layers=self.layers,
-                               num_layers=self.num_layers, sizes=_Sizes(sizes))
+                               num_layers=self.num_layers, sizes=SimpleNamespace(**sizes))
         except (KeyError, AttributeError, IndexError) as e:
-            raise ValueError(f"conf/survey.yaml: unknown placeholder {e} in {text!r}") from e
-
-
-class _Sizes:
-    def __init__(self, sizes: Mapping[str, Any]):
-        self._sizes = dict(sizes)
-
-    def __getattr__(self, key: str):
-        if key not in self._sizes:
-            raise KeyError(f"sizes.{key}")
-        return self._sizes[key]
+            raise ValueError(f"conf/survey.yaml: unknown placeholder in {text!r}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -105,22 +93,6 @@ class Step:
 def display(argv: Sequence[str]) -> str:
     """``argv`` as a shell command, the interpreter shown as ``python``."""
     return " ".join(shlex.quote("python" if a == sys.executable else a) for a in argv)
-
-
-def cpu_description() -> str:
-    """The CPU's model name with its family/model numbers and the matrix extensions it has (AVX-512 BF16, AMX)."""
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            info.setdefault(k.strip(), v.strip())
-    except OSError:
-        return cpu_model()
-    flags = set(info.get("flags", "").split())
-    has = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
-           if flag in flags] or ["AVX2" if "avx2" in flags else "no AVX2"]
-    return (f"{cpu_model()} (family {info.get('cpu family', '?')} model {info.get('model', '?')}; "
-            f"{', '.join(has)})")
 
 
 def load_average() -> str:
