@@ -13,12 +13,18 @@ pooling, map kinds and analysis defaults are those of ``conf/extract/default.yam
 (:class:`probes.maps.MapEngine`), so they equal the attention cache's maps (kept there
 in float16, here in float32), and :func:`analyze` runs an analysis through
 :func:`probes.analysis.context.run_analysis`, the function behind ``python -m probes.analyze``.
+
+Errors are the project's own (:func:`own_errors`): a config object that fails to build raises what its code
+raised (``ModelNotFetched`` for a model not fetched yet), not Hydra's ``InstantiationException`` around it, and
+bad arguments are named as the caller wrote them (``kind='atention' is not one of ...``).
 """
 
 from __future__ import annotations
 
+import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,28 +34,52 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from probes.analysis.context import AnalysisContext, AnalysisResult, analysis_config, resolve_device, run_analysis
+from probes.analysis.beyond.long_context import head_stats_frame
 from probes.analysis.naming import head_name
 from probes.analysis.plots import word_map_axes
 from probes.config import CONF_DIR, compose
 from probes.data.conllu import Sentence, read_conllu, read_text, sentence_from_words, write_conllu_with_heads
+from probes.data.documents import Document, EncodedDocument, encode_document
 from probes.data.sources import Treebank
 from probes.glue.export import hf_folder, load_finetuned
 from probes.maps import MapEngine
-from probes.model.inputs import check_words, encode_words
+from probes.maps.reducers import HeadStats, Pool, given_units, span_units, word_units
+from probes.measures import check_kind
+from probes.model.families import usable_max_length
+from probes.model.inputs import check_pooling, check_words, encode_words
 from probes.model.load import HEADS, Encoder, file_digest
 from probes.model.load import load_encoder as load_pretrained
 from probes.report.mapview import KindMaps, write_view
 from probes.resolvers import unique_now
 
-__all__ = ["AnalysisResult", "WordMaps", "analyze", "load_encoder", "read_conllu", "read_text", "treebank",
-           "view", "word_maps"]
+__all__ = ["AnalysisResult", "Document", "DocumentMaps", "WordMaps", "analyze", "document_maps", "document_stats",
+           "load_encoder", "read_conllu", "read_text", "treebank", "view", "word_maps"]
 
 # Word maps of more sentences than this show a progress bar (when ``progress`` is None).
 PROGRESS_MIN_SENTENCES = 32
+
+
+@contextmanager
+def own_errors() -> Iterator[None]:
+    """Around code that instantiates config objects (``hydra.utils.instantiate``): Hydra's
+    ``InstantiationException`` is replaced by the exception it wraps (the innermost of a chain), with that one's
+    own cause and traceback, so that callers catch the project's types (``ModelNotFetched``, ``ModelFileError``,
+    ``ValueError``, ...) with their messages; one without a cause (a ``_target_`` Hydra cannot call) is raised
+    as it is."""
+    try:
+        yield
+    except InstantiationException as e:
+        error: BaseException = e
+        while isinstance(error, InstantiationException) and error.__cause__ is not None:
+            error = error.__cause__
+        if error is e:
+            raise
+        raise error from error.__cause__
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -77,11 +107,11 @@ def load_encoder(name_or_path: str | os.PathLike | None = None, head: str = "bas
     """
     if head not in HEADS:
         raise ValueError(f"head must be one of {sorted(HEADS)}, got {head!r}")
-    if name_or_path is None:
-        return instantiate(compose("analyze").encoder, head=head, **kwargs)
-    path = Path(name_or_path).expanduser()
-    if not path.exists() and (CONF_DIR / "encoder" / f"{name_or_path}.yaml").is_file():
-        return instantiate(compose("analyze", [f"encoder={name_or_path}"]).encoder, head=head, **kwargs)
+    path = None if name_or_path is None else Path(name_or_path).expanduser()
+    if path is None or not path.exists() and (CONF_DIR / "encoder" / f"{name_or_path}.yaml").is_file():
+        node = compose("analyze", [] if path is None else [f"encoder={name_or_path}"]).encoder
+        with own_errors():  # e.g. ModelNotFetched (naming the fetch command), not InstantiationException
+            return instantiate(node, head=head, **kwargs)
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: not a model folder, hub id or .gguf file (a Lightning .ckpt needs the encoder it "
                          "was trained from: probes.glue.export.load_finetuned(ckpt, encoder=...))")
@@ -255,21 +285,22 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
         One :class:`WordMaps` per sentence, in input order.
 
     Raises:
-        ValueError: An empty sentence, an unknown layer, or a sentence longer than the encoder (or the kind)
-            accepts (the message names the sentence).
-        KeyError: An unknown kind (the message lists the known ones).
+        ValueError: An empty sentence, an unknown layer or device, or a sentence longer than the encoder (or the
+            kind) accepts (the message names the sentence).
+        KeyError: An unknown kind (the message names ``kind`` and lists the known ones).
     """
     sentences = _sentence_list(sentences)
     words = [_words(s, i) for i, s in enumerate(sentences)]
-    enc = encoder if isinstance(encoder, Encoder) else load_encoder(encoder)
     cfg = _settings(tuple(overrides))
-    L = enc.num_layers
-    chosen = list(range(L)) if layers is None else [layers] if isinstance(layers, int) else [int(x) for x in layers]
-    bad = [x for x in chosen if not 0 <= x < L]
-    if bad or not chosen:
-        raise ValueError(f"layers must be in 0..{L - 1} (the encoder has {L} layers), got {layers!r}")
-    engine = MapEngine.from_config(cfg.extract, enc.model, kind=kind, layers=chosen, tokenizer=enc.tokenizer,
-                                   device=resolve_device(device or cfg.get("analysis_device")))
+    check_kind(kind, cfg.extract.measures, name="kind")  # the error names the argument; before any model loads
+    for key in ("from_words", "to_words"):  # set by ``overrides``: the error names the key written there
+        check_pooling(cfg.extract[key], name=f"extract.{key}")
+    dev = _device(device, cfg)
+    enc = encoder if isinstance(encoder, Encoder) else load_encoder(encoder)
+    chosen = _layers(layers, enc.num_layers)
+    with own_errors():  # the measure of ``kind`` is built from its config node
+        engine = MapEngine.from_config(cfg.extract, enc.model, kind=kind, layers=chosen, tokenizer=enc.tokenizer,
+                                       device=dev)
     if not words:
         return []
     tok = enc.tokenizer
@@ -286,6 +317,35 @@ def word_maps(encoder: Encoder | str | os.PathLike | None, sentences: Sequence[s
         rows, labels = _rows(tok, encoded[i], words[i])  # maps: (L', H', W, W)
         out[i] = WordMaps(words[i], labels, maps[:, :, rows][:, :, :, rows].cpu().numpy(), chosen, kind)
     return out
+
+
+def _device(device: str | None, cfg: DictConfig) -> str:
+    """The device :func:`word_maps` computes on: ``device``, else ``analysis_device`` of the config (``auto``: cuda
+    when available); a name torch does not know is an error naming the argument (or the key) it came from."""
+    name, value = ("device", device) if device else ("analysis_device", cfg.get("analysis_device"))
+    resolved = resolve_device(value)
+    try:
+        torch.device(resolved)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{name}={value!r} is not a device: {e}") from None
+    return resolved
+
+
+def _layers(layers: int | Sequence[int] | None, L: int) -> list[int]:
+    """:func:`word_maps`' ``layers`` as a list (None: all ``L``); anything but 0-based layers of the encoder is an
+    error naming ``layers``."""
+    if layers is None:
+        return list(range(L))
+    items = [layers] if isinstance(layers, numbers.Integral) else layers
+    try:
+        chosen = None if isinstance(items, (str, bytes)) else list(items)
+    except TypeError:
+        chosen = None
+    if not chosen or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < L
+                         for x in chosen):
+        raise ValueError(f"layers must be a layer or a list of layers in 0..{L - 1} (the encoder has {L} layers), "
+                         f"got {layers!r}")
+    return [int(x) for x in chosen]
 
 
 def view(maps: WordMaps | Sequence[WordMaps], path: str | os.PathLike, title: str = "") -> Path:
@@ -326,6 +386,152 @@ def _rows(tokenizer, e, words: list[str]) -> tuple[list[int], list[str]]:
     if n in wop:
         rows, labels = [*rows, n + 1], [*labels, tokenizer.convert_ids_to_tokens(e.input_ids[wop.index(n)])]
     return rows, labels
+
+
+# ----------------------------------------------------------------------------- documents
+def as_document(doc: Document | str | Sequence[str | Sequence[str]], name: str = "text") -> Document:
+    """A :class:`~probes.data.documents.Document` of ``doc``: a Document as it is, a string (one sentence unit:
+    the whole text), or a list of sentences (strings or word lists, joined by single spaces)."""
+    if isinstance(doc, Document):
+        return doc
+    if isinstance(doc, str):
+        return Document.from_text(doc, name=name)
+    if isinstance(doc, Sequence) and not isinstance(doc, (bytes, bytearray)):
+        return Document.from_sentences([s.words if isinstance(s, Sentence) else s for s in doc], name=name)
+    raise TypeError(f"document: expected a Document, a string or a list of sentences, got {type(doc).__name__}")
+
+
+def _document_engine(encoder, doc, layers, device: str | None, overrides: Sequence[str]
+                     ) -> tuple[Encoder, EncodedDocument, MapEngine]:
+    """The encoder, the encoded document and the attention map engine (``extract`` settings of conf/analyze.yaml
+    with ``overrides``); a document longer than the model's usable length is refused before any forward."""
+    cfg = _settings(tuple(overrides))
+    dev = _device(device, cfg)
+    enc = encoder if isinstance(encoder, Encoder) else load_encoder(encoder)
+    chosen = _layers(layers, enc.num_layers)
+    doc = as_document(doc)
+    de = encode_document(enc.tokenizer, doc)
+    limit = usable_max_length(enc.model.config)
+    if de.n_pieces > limit:
+        raise ValueError(f"document {doc.name!r} has {de.n_pieces} pieces with its special tokens, above the "
+                         f"{limit} {enc.name} can read (probes.model.families.usable_max_length); cut it "
+                         f"(probes.data.documents.running_text) or use a model with a longer context")
+    with own_errors():
+        engine = MapEngine.from_config(cfg.extract, enc.model, kind="attention", layers=chosen,
+                                       tokenizer=enc.tokenizer, device=dev, max_length=None)
+    return enc, de, engine
+
+
+@dataclass
+class DocumentMaps:
+    """The attention of one document pooled to units.
+
+    Attributes:
+        maps: float32 ``(L', H, U, U)``: rows = from, columns = to; a unit's row is the mean over its pieces'
+            rows, its column the sum over its pieces' columns (``extract.from_words`` / ``to_words``).
+        labels: The U units' labels (a sentence's first words, a word, ``pieces a-b``).
+        layers: The model layer (0-based) of each entry of the first axis.
+        unit: ``sentence``, ``word`` or the span length in pieces.
+        n_pieces: The document's pieces, special tokens included.
+        document: The document.
+    """
+
+    maps: np.ndarray
+    labels: list[str]
+    layers: list[int]
+    unit: str | int
+    n_pieces: int
+    document: Document
+
+    def __repr__(self) -> str:
+        return (f"DocumentMaps(unit={self.unit!r}, maps={tuple(self.maps.shape)}, n_pieces={self.n_pieces}, "
+                f"document={self.document.name!r})")
+
+
+def _units(tokenizer, de: EncodedDocument, unit, engine: MapEngine) -> tuple[Pool, list[int], list[str]]:
+    """The pooling reducer of ``unit`` (the engine's row and column pooling), the units kept (those with pieces)
+    and their labels."""
+    e = de.encoded
+    if unit == "sentence":
+        fn = given_units([de.sentence_of_piece], [de.document.n_sentences])
+        labels = [f"{k + 1}: {' '.join(t.split()[:4])}" for k, t in enumerate(de.document.sentence_texts())]
+    elif unit == "word":
+        fn = word_units
+        ids, wop = e.input_ids, e.word_of_piece
+        first = tokenizer.convert_ids_to_tokens(ids[wop.index(-1)]) if -1 in wop else ""
+        last = tokenizer.convert_ids_to_tokens(ids[wop.index(e.n_words)]) if e.n_words in wop else ""
+        labels = [first, *de.words, last]
+    elif isinstance(unit, numbers.Integral) and not isinstance(unit, bool) and unit >= 1:
+        fn = span_units(int(unit))
+        labels = [f"pieces {a}-{min(a + int(unit), e.n_pieces) - 1}" for a in range(0, e.n_pieces, int(unit))]
+    else:
+        raise ValueError(f"unit must be 'sentence', 'word' or a span length in pieces (an int >= 1), got {unit!r}")
+    units, n = fn(0, e)
+    present = sorted(set(int(u) for u in units if u >= 0))
+    pool = Pool(fn, from_units=engine.from_words, to_units=engine.to_words)
+    return pool, present, [labels[k] for k in present]
+
+
+def document_maps(encoder: Encoder | str | os.PathLike | None, doc: Document | str | Sequence[str | Sequence[str]],
+                  unit: str | int = "sentence", layers: int | Sequence[int] | None = None, *,
+                  device: str | None = None, overrides: Sequence[str] = (), progress: bool = False) -> DocumentMaps:
+    """The attention of a whole document, every chosen layer pooled to sentences, words or spans of N pieces.
+
+    The document is read as one sequence by the model's own tokenizer (its specials included); each layer's
+    attention is computed as a whole map when it fits ``extract.attention_budget_mb`` and in blocks of query
+    rows otherwise (:class:`probes.maps.MapEngine`, :class:`probes.maps.reducers.Pool`), so that no (T, T) map
+    of a long document is kept.
+
+    Args:
+        encoder: An encoder from :func:`load_encoder`, or what it takes (None: the default).
+        doc: A :class:`~probes.data.documents.Document` (``probes.data.documents`` reads treebanks' documents,
+            LitBank and text files), a string (one sentence unit) or a list of sentences.
+        unit: ``"sentence"``, ``"word"`` (whitespace-separated tokens, with the first and last special as units
+            where the tokenizer adds them) or an int N (spans of N pieces).
+        layers: A layer or layers (0-based); None: all.
+        device: ``cpu``, ``cuda``, ...; None: ``analysis_device`` of conf/analyze.yaml.
+        overrides: Overrides of conf/analyze.yaml (``["extract.attention_budget_mb=256"]``).
+        progress: Show a progress bar.
+
+    Returns:
+        A :class:`DocumentMaps` (``.maps`` (L', H, U, U), ``.labels``).
+
+    Raises:
+        ValueError: A document longer than the model's usable length (naming both lengths and the document), an
+            unknown unit or layer.
+        probes.maps.engine.MapMemoryError: The pooled maps cannot fit in memory (before any forward).
+    """
+    enc, de, engine = _document_engine(encoder, doc, layers, device, overrides)
+    pool, present, labels = _units(enc.tokenizer, de, unit, engine)
+    ((_, maps),) = list(engine.iter_reduced([de.encoded], pool, desc="document maps", progress=progress))
+    m = maps[:, :, present][:, :, :, present].cpu().numpy()  # (L', H, U, U)
+    return DocumentMaps(m, labels, list(engine.layers), unit, de.n_pieces, de.document)
+
+
+def document_stats(encoder: Encoder | str | os.PathLike | None, doc: Document | str | Sequence[str | Sequence[str]],
+                   layers: int | Sequence[int] | None = None, *, device: str | None = None,
+                   overrides: Sequence[str] = (), progress: bool = False) -> pd.DataFrame:
+    """Per-head statistics of a whole document's attention (:class:`probes.maps.reducers.HeadStats`), computed
+    without keeping any (T, T) map (blocks of query rows beyond ``extract.attention_budget_mb``).
+
+    Args:
+        encoder, doc, layers, device, overrides, progress: As :func:`document_maps`.
+
+    Returns:
+        One row per (layer, head) (0-based) with ``n_pieces``; ``cls``: the mean over rows of the attention to
+        position 0 (the first token: a BOS, ``[CLS]``, else the first piece); ``entropy`` (nats, Clark et al.'s
+        smoothed rows), ``cls_entropy``; ``distance``: the mean over rows of sum_j a_ij |i - j| (pieces);
+        ``prev``, ``self``, ``next``, ``sep`` (the last piece), ``sep_sep``, ``rest_sep``, ``punct`` (``.`` and
+        ``,`` pieces); ``hist_<d>``: the mean over rows of the attention at distances from d (bins 0, 1, 2, 4, ...,
+        each up to the next edge; :func:`probes.maps.reducers.distance_bin_edges`).
+
+    Raises:
+        ValueError: A document longer than the model's usable length (naming both lengths and the document).
+    """
+    enc, de, engine = _document_engine(encoder, doc, layers, device, overrides)
+    reducer = HeadStats(punct=lambda k, e: de.punct)
+    ((_, stats),) = list(engine.iter_reduced([de.encoded], reducer, desc="document stats", progress=progress))
+    return head_stats_frame(stats, engine.layers, de.n_pieces)
 
 
 # ----------------------------------------------------------------------------- data
@@ -406,6 +612,7 @@ def analyze(name: str, encoder: Encoder | str | os.PathLike | None = None,
     else:
         tb = treebank
     enc = encoder if encoder is None or isinstance(encoder, Encoder) else load_encoder(encoder)
-    ctx = AnalysisContext(cfg, out, use_wandb=use_wandb, name=name, encoder=enc, treebank=tb, figures=figures)
-    return run_analysis(cfg, out, context=ctx)
+    with own_errors():  # the config's encoder, treebank and analysis node are instantiated within
+        ctx = AnalysisContext(cfg, out, use_wandb=use_wandb, name=name, encoder=enc, treebank=tb, figures=figures)
+        return run_analysis(cfg, out, context=ctx)
 

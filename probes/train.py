@@ -19,7 +19,9 @@ and plain values is refused, naming the file, before anything in it could run.
 
 A run's record: every stage's data is read and checked before a logger exists (a format error stops the run
 before a wandb run or a ``provenance.json`` is started), and a run that fails logs its traceback into its log file
-(``<run dir>/train.log``, Hydra's job log; a resumed run's appends to it).
+(``<run dir>/train.log``, Hydra's job log; a resumed run's appends to it), not onto the terminal: there
+``train.py`` (:func:`reported`) prints one message, the error and the log file holding its traceback, and exits
+with status 1 (``HYDRA_FULL_ERROR=1``: the traceback on the terminal too).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ import wandb
 from hydra.utils import instantiate
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from probes.config import check_types, plain
@@ -55,7 +59,10 @@ from probes.training.checkpoint import load_checkpoint, refuse_unsafe
 
 log = logging.getLogger(__name__)
 
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job log format
 DDP_CONFIG_ENV = "PROBES_DDP_CONFIG"
+FULL_ERROR_ENV = "HYDRA_FULL_ERROR"  # "1": Hydra raises a job's error on, with its traceback, instead of printing it
+LOGGED_NOTE = "the traceback is in "  # the note a failure gets once its traceback is in the run's log file
 PRECISION_FILE = "precision.json"
 METRICS_FILE = "metrics.json"  # written last by a run that finished: its result
 
@@ -78,7 +85,7 @@ def run_ddp_rank() -> bool:
     path = os.environ.get(DDP_CONFIG_ENV)
     if not path or int(os.environ.get("LOCAL_RANK", "0")) == 0:
         return False
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     train(OmegaConf.load(path))
     return True
 
@@ -95,7 +102,7 @@ def resume_from_argv(argv: list[str] | None = None) -> bool:
     if others or len(given) > 1:
         raise SystemExit(f"resume=<run folder> takes no other arguments (the run continues with the config it was "
                          f"started with, <folder>/.hydra/config.yaml); got also {others or given[1:]}")
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     resume(given[0].split("=", 1)[1])
     return True
 
@@ -147,10 +154,10 @@ def resume(folder: str | os.PathLike) -> dict[str, float]:
         except Exception as e:  # a record of another Hydra version: provenance names the resume command only
             log.warning("could not read %s (%s): provenance records the resume command only", hydra_yaml, e)
     handler = logging.FileHandler(Path(cfg.resume) / "train.log")  # Hydra's job log, appended to
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger().addHandler(handler)
     try:
-        with _failure_logged():
+        with failure_logged():
             ckpt = last_checkpoint(cfg.resume)
             state = load_checkpoint(ckpt, map_location="cpu", mmap=True)  # refused unless weights-only
         epoch = state.get("epoch") if isinstance(state, dict) else None
@@ -190,13 +197,66 @@ def _standard_process_start() -> None:
 
 
 @contextmanager
-def _failure_logged() -> Iterator[None]:
-    """An exception raised within is logged with its traceback (into the run's log file) and raised on."""
+def failure_logged() -> Iterator[None]:
+    """An exception raised within is logged with its traceback and raised on: into the run's log files only (the
+    root logger's file handlers: Hydra's ``<run dir>/train.log``, a resumed run's), noted on the exception
+    (``LOGGED_NOTE``) for the one message :func:`reported` prints; with no log file, as a plain error record (on
+    the console). Logged once, also through nested blocks."""
     try:
         yield
     except (Exception, KeyboardInterrupt) as e:
-        log.exception("the run failed: %s", type(e).__name__)
+        if not getattr(e, "_probes_logged", False):
+            e._probes_logged = True
+            files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+            if not files:  # e.g. a DDP rank > 0: the console's
+                log.exception("the run failed: %s", type(e).__name__)
+                e.add_note(LOGGED_NOTE + "the log above")
+                raise
+            record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "the run failed: %s: %s",
+                                    (type(e).__name__, _message(e)), (type(e), e, e.__traceback__))
+            for h in files:
+                if record.levelno >= h.level:
+                    h.handle(record)
+            e.add_note(LOGGED_NOTE + ", ".join(h.baseFilename for h in files))
         raise
+
+
+def _message(e: BaseException) -> str:
+    """An exception's message (a KeyError's without the quotes ``str`` adds)."""
+    return str(e.args[0]) if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
+
+
+def failure_message(e: BaseException) -> str:
+    """The one message on the terminal for an error of ``train.py``: Hydra's compact errors (a bad override) as
+    Hydra words them; any other as ``<type>: <message>`` with the log file that holds its traceback, or, when
+    none does, how to see it."""
+    if isinstance(e, CompactHydraException):
+        cause = e.__cause__
+        return str(e) + (f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else "")
+    notes = getattr(e, "__notes__", [])
+    text = f"{type(e).__name__}: {_message(e)}".rstrip()
+    if not any(n.startswith(LOGGED_NOTE) for n in notes):
+        notes = [*notes, f"(set {FULL_ERROR_ENV}=1 for the traceback)"]
+    return "\n".join([text, *notes])
+
+
+@contextmanager
+def reported() -> Iterator[None]:
+    """``train.py``'s command line: an error raised within ends the process with status 1 after one message on
+    stderr (:func:`failure_message`; its traceback is in the run's log file, :func:`failure_logged`), in
+    place of Hydra's report, which prints the traceback (Hydra raises the error on while ``HYDRA_FULL_ERROR=1``
+    is set here). A user's own ``HYDRA_FULL_ERROR=1``: the traceback on the terminal as Hydra does."""
+    if os.environ.get(FULL_ERROR_ENV) == "1":
+        yield
+        return
+    os.environ[FULL_ERROR_ENV] = "1"
+    try:
+        yield
+    except Exception as e:
+        print(failure_message(e), file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        os.environ.pop(FULL_ERROR_ENV, None)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -206,7 +266,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ``fit=false`` (logged): its validation and test scores, no checkpoint. Every stage's data is read (the
     datamodule's ``setup``) before the loggers are made, so a format error in it stops the run before a wandb run
     or a provenance file is started; a failure is logged with its traceback (the run folder's log file)."""
-    with _failure_logged():
+    with failure_logged():
         return _train(cfg)
 
 

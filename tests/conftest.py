@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,32 @@ def require_shared(rel: str = "ud_english_ewt", what: str = "shared data") -> Pa
     return p
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Bytecode is cached: with ``PYTHONDONTWRITEBYTECODE`` set (as on the project's machines, CI's too; the install
+    runs ``--no-compile``) every test's child interpreter (``python train.py``, ...) and every pytest-xdist worker
+    would compile torch, Lightning and transformers from source again (seconds of CPU each); they inherit this
+    process's environment, so the variable is removed here, and this process writes what it imports from now on. In a pytest-xdist worker (``-n N``): torch and the child processes it starts use the
+    worker's share of the CPUs (``OMP_NUM_THREADS``, read when torch is imported), so that N workers do not each
+    start a thread per CPU; a value already set is kept."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers:
+        share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, share)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-xdist's ``--dist loadgroup`` (.ci/run) sends the tests of one group to one worker: a test without an
+    ``xdist_group`` mark is in its file's group, so that module-scoped fixtures are built once; a test marked with
+    a group of its own (``smollm2_gguf``: tests/reference.py ``gguf_reader``) shares that group's worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Where the shared data is required (:func:`shared_data_required`), stop before any test when a folder of
     :data:`SHARED_FOLDERS` is missing, naming it and ``PROBES_DATA_DIR``."""
@@ -117,7 +144,10 @@ def chain_data(tmp_path) -> Path:
 
 
 def chain_overrides(data_dir: Path, tmp_path: Path) -> list[str]:
-    """Overrides that point `data=ewt` at the synthetic chain treebank and keep everything in tmp_path."""
+    """Overrides that point `data=ewt` at the synthetic chain treebank and keep everything in tmp_path. The caches
+    are built in the training process (``data.extract_in_child=false``): the default child interpreter costs
+    seconds of imports per run; the tests of the child itself ask for it (tests/test_extract.py,
+    test_extract_child.py, test_progress.py, and one family each in test_families.py and test_decoders.py)."""
     return [
         "encoder=tiny", "logger=none", f"paths.data_dir={data_dir}", f"paths.cache_dir={tmp_path / 'cache'}",
         f"paths.output_dir={tmp_path / 'out'}", "data.name=chain", "data.treebank.name=chain",
@@ -125,7 +155,7 @@ def chain_overrides(data_dir: Path, tmp_path: Path) -> list[str]:
         "data.treebank.download=false",
         "data.treebank.files={train: chain-train.conllu, dev: chain-dev.conllu, test: chain-test.conllu}",
         "extract.precision=32-true", "extract.trainer.accelerator=cpu", "trainer.accelerator=cpu",
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "data.extract_in_child=false",
     ]
 
 

@@ -7,15 +7,18 @@ covers by a plain loop over characters, a plain ``attn_implementation="eager"`` 
 ``output_attentions=True``, and pooling by explicit loops over pieces; nothing from :mod:`probes.model.inputs`
 or the capture layer. The gradient-flow references are written without the block functions, ``torch.func`` or
 early stops: one plain forward and one ``autograd.grad`` per output, or the full model's head outputs from forward
-hooks.
+hooks. A ``.gguf`` file is read by transformers' own GGUF reader (:func:`gguf_reader`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from probes.measures import gradflow
 from probes.model import hooks, structure
@@ -59,6 +62,18 @@ def head_scalars_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable
         return out.sum(-1).transpose(1, 2)  # (L, H, T): sum over each head's d units
 
     return f
+
+
+@functools.lru_cache(maxsize=1)
+def gguf_reader(path: str) -> tuple[torch.nn.Module, object]:
+    """(model with its LM head, tokenizer) of the ``.gguf`` file ``path`` as transformers' own GGUF reader reads it
+    (``from_pretrained(folder, gguf_file=...)``, eager attention, float32; nothing of :mod:`probes`). Read once per
+    process (the reader dequantizes for tens of seconds) and shared: callers only run it. The tests that read the
+    fetched SmolLM2 this way are marked ``xdist_group("smollm2_gguf")``, so that one pytest-xdist worker runs them."""
+    folder, file = str(Path(path).parent), Path(path).name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, attn_implementation="eager",
+                                                 dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=file)
 
 
 def text_pieces(tokenizer, words: list[str], bos: bool = False) -> tuple[list[int], list[int | None]]:

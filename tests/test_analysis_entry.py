@@ -130,6 +130,9 @@ def test_cli_end_to_end(tmp_path, analysis):
         assert len(emb) == 8 and set(emb.behaviour) <= {"prev", "next", "cls", "sep", "punct", "broad", "other"}
         js = pd.read_csv(out / "js_distances.csv")
         assert len(js) == 64 and (js.js >= 0).all()
+        # every input sentence accounted for: read, without a pair partner, or in a sequence too long
+        assert summary["n_input_sentences"] == 20 and 0 < summary["n_sentences"] <= 20
+        assert summary["n_sentences"] + summary["n_unpaired"] + summary["n_skipped_sentences"] == 20
 
 
 def test_head_stats_skips_sentences_longer_than_the_encoder(tiny_cfg, tmp_path):

@@ -15,12 +15,14 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT
 
 PAGE = ROOT / "docs" / "beyond" / "decoders.md"
 RECORDS = ROOT / "docs" / "results" / "decoders"
-RECORD_KEYS = {"command", "date", "machine", "wall_time_s", "commit"}
+RECORD_KEYS = {"command", "date", "machine", "wall_time_s", "commit", "weights"}
+SMOLLM2_NODE = ROOT / "conf" / "model" / "smollm2.yaml"  # the pinned GGUF file the runs read
 
 # The paragraph that opens each result's section on the page (the tables up to the next bold paragraph).
 ANCHORS = {
@@ -368,6 +370,29 @@ def test_record_is_complete(name):
     assert RECORD_KEYS <= set(info), f"{meta.name} lacks {sorted(RECORD_KEYS - set(info))}"
     assert "encoder=smollm2" in info["command"], info["command"]
     assert read_csv(RECORDS / f"{name}.csv"), f"{name}.csv is empty"
+    quantization = weights_quantization(info["weights"])
+    assert quantization.lower() in yaml.safe_load(SMOLLM2_NODE.read_text())["file"].lower(), (
+        f"{meta.name}: weights {info['weights']!r}, but {SMOLLM2_NODE.relative_to(ROOT)} pins another file")
+
+
+def weights_quantization(weights: str) -> str:
+    """The file type a record's ``weights`` names (``GGUF Q4_1 (Q4_1 79 %, Q8_0 21 % of the weights), dequantized
+    to float32 on load`` -> ``Q4_1``); its tensor types' shares add up to about 100 %."""
+    m = re.fullmatch(r"GGUF (\S+) \(((?:\w+ \d+ %(?:, )?)+) of the weights\), "
+                     r"dequantized to float32 (on load|at fetch)", weights)
+    assert m, f"weights {weights!r} is not 'GGUF <file type> (<type> <n> %, ... of the weights), dequantized to ...'"
+    assert abs(sum(int(x) for x in re.findall(r"(\d+) %", m.group(2))) - 100) <= 2, weights
+    return m.group(1)
+
+
+def test_the_page_names_the_quantization():
+    """The page says, before any result, that the SmolLM2 it reads is the 4-bit GGUF file the records name, with
+    their words."""
+    found = {json.loads((RECORDS / f"{n}.json").read_text())["weights"] for n in records()}
+    assert len(found) == 1, found
+    weights = found.pop()
+    intro = " ".join(PAGE.read_text().split("## Results", 1)[0].split())  # line breaks as spaces
+    assert f"`{weights}`" in intro and f"type {weights_quantization(weights)}" in intro and "4-bit" in intro
 
 
 @pytest.mark.parametrize("name", records())

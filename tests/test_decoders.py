@@ -354,7 +354,7 @@ def test_analysis_runs_on_decoder(folders, family, analysis, extra, tmp_path):
     if family == "gpt_neox" and extra:  # parallel residual: ALTI is not defined, a clear error before extraction
         extra = ["extract.maps=rollout"]
     cfg = _analysis_cfg(tmp_path, family, analysis, f"encoder.root={folders[family].parent.parent}", *extra)
-    run_analysis(cfg, tmp_path / "out")
+    run_analysis(cfg, tmp_path / "out", figures=family == "llama")  # figures built for all, written for one (PNG)
     csvs = list((tmp_path / "out").glob("*.csv"))
     assert csvs and all(len(pd.read_csv(p)) > 0 for p in csvs)
     if analysis == "head_stats":
@@ -374,10 +374,15 @@ def test_alti_on_parallel_residual_is_a_clear_error(folders, tmp_path):
 
 
 @pytest.mark.parametrize("family", sorted(DECODERS))
-def test_dependency_probe_trains_on_decoder(chain_data, tmp_path, family):
+def test_dependency_probe_trains_on_decoder(folders, chain_data, tmp_path, family):
+    """The attention probe trains on each decoder's maps; the caches are built in a child interpreter (the default)
+    for Llama and in this process for the others (the child receives the encoder's config whatever the family,
+    and costs an interpreter's start: tests/test_extract.py compares its caches with this process's)."""
     over = [o for o in chain_overrides(chain_data, tmp_path) if o != "encoder=tiny"]
     cfg = compose_train(over + ["encoder=tiny_family", f"encoder.family={family}", "probe=attn_only",
-                                "trainer.max_epochs=1", "data.max_sentences.train=40"])
+                                f"encoder.root={folders[family].parent.parent}", "trainer.max_epochs=1",
+                                "data.max_sentences.train=40",
+                                f"data.extract_in_child={str(family == 'llama').lower()}"])
     m = train(cfg)
     assert 0 <= m["test/uas"] <= 1 and 0 <= m["val/uas_best"] <= 1
 
@@ -410,6 +415,7 @@ def test_every_kind_is_causal_and_finite(folders, family):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2_gguf")
 def test_smollm2_gguf_word_maps_equal_eager_forward():
     """The fetched SmolLM2-135M-Instruct GGUF (`probes-fetch model=smollm2`): 30 layers x 9 query heads over 3 key/value heads,
     no BOS added; word maps of chosen layers equal an eager forward of the same GGUF pooled by a loop."""
@@ -421,8 +427,8 @@ def test_smollm2_gguf_word_maps_equal_eager_forward():
     layers = [0, 15, 29]
     wm = probes.word_maps(enc, [words, words[:3]], layers=layers, device="cpu")[0]
     assert wm.labels == words
-    ref = AutoModel.from_pretrained(str(path.parent), gguf_file=path.name, attn_implementation="eager").eval()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref, tok = reference.gguf_reader(str(path))  # transformers' own GGUF reader (eager), shared by the session
+    ref = ref.base_model  # the decoder without its LM head, as AutoModel reads it
     ids, wids = reference.text_pieces(tok, words)  # the GGUF's own tokenizer on "The capital of France is Paris ."
     assert tok.convert_ids_to_tokens(ids)[:3] == ["The", "Ġcapital", "Ġof"]  # running text, not glued words
     want, labels = reference.eager_word_maps(ref, tok, words)

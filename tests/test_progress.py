@@ -154,9 +154,9 @@ def test_training_run_without_a_terminal_logs_progress_into_its_log_file(chain_d
     run = tmp_path / "run"
     over = [o for o in chain_overrides(chain_data, tmp_path) if not o.startswith("paths.output_dir")]
     env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline", **{P.ENV: "0"})
-    r = subprocess.run([sys.executable, "train.py", "probe=attn_only", "trainer.max_epochs=2",
+    r = subprocess.run([sys.executable, "train.py", "probe=attn_only", "trainer.max_epochs=2", *over,
                         "data.extract_in_child=true", "extract.max_tokens=256", f"hydra.run.dir={run}",
-                        f"paths.output_dir={run}", *over], cwd=ROOT, env=env, capture_output=True, text=True,
+                        f"paths.output_dir={run}"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     text = (run / "train.log").read_text()

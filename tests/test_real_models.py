@@ -24,6 +24,7 @@ from transformers import AutoModel, AutoTokenizer
 
 import probes
 from conftest import ROOT, require_model, require_shared
+from tests import reference
 from tests.reference import eager_word_maps
 
 pytestmark = pytest.mark.slow
@@ -88,8 +89,15 @@ def reference_source(name: str) -> tuple[str, dict]:
     return str(converted_path(name, models_dir())[0]), {}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=[pytest.mark.big_model] if n in BIG else [])
-                                        for n in PLAN])
+def _marks(name: str) -> list:
+    """``big_model`` for the two larger decoders; SmolLM2's tests run on the pytest-xdist worker that reads its GGUF
+    file for the other tests of that file (``xdist_group("smollm2_gguf")``: :func:`tests.reference.gguf_reader`)."""
+    if name in BIG:
+        return [pytest.mark.big_model]
+    return [pytest.mark.xdist_group("smollm2_gguf")] if name == "smollm2" else []
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=_marks(n)) for n in PLAN])
 def real(request):
     """(name, encoder) of one real model; module scope: each model is loaded once for its tests."""
     name = request.param
@@ -106,8 +114,12 @@ def test_word_maps_equal_an_eager_forward_pooled_by_loops(real):
     n, layers, _ = PLAN[name]
     sentences = dev_sentences(n)
     src, kwargs = reference_source(name)
-    model = AutoModel.from_pretrained(src, attn_implementation="eager", dtype=torch.float32, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
+    if "gguf_file" in kwargs:  # transformers' own GGUF reader, read once per session (tests/reference.py)
+        model, tokenizer = reference.gguf_reader(str(require_model(name)))
+        model = model.base_model  # the decoder without its LM head, as AutoModel reads it
+    else:
+        model = AutoModel.from_pretrained(src, attn_implementation="eager", dtype=torch.float32, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
     got = probes.word_maps(enc, sentences, layers=layers, device="cpu")
     chosen = list(range(enc.num_layers)) if layers is None else layers
     for words, wm in zip(sentences, got):

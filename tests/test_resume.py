@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from probes.train import last_checkpoint, resume_config
+from probes.train import last_checkpoint, resume_config, resume_from_argv
 from tests.conftest import chain_overrides, write_chain_splits
 from tests.resume_helpers import run_train as _train
 from tests.test_glue_train import glue_data  # noqa: F401  (fixture: a synthetic glue/ folder)
@@ -70,8 +70,14 @@ def test_resume_errors_name_what_is_missing(tmp_path):
 
 
 def test_resume_takes_no_other_overrides(tmp_path):
-    r = _train([f"resume={tmp_path}", "trainer.max_epochs=9"])
-    assert r.returncode != 0 and "takes no other arguments" in r.stderr
+    """train.py's command line goes through resume_from_argv first (the resume tests above run it): another
+    argument beside resume= is a SystemExit with a message (exit status 1), before anything is read."""
+    with pytest.raises(SystemExit, match="takes no other arguments") as e:
+        resume_from_argv([f"resume={tmp_path}", "trainer.max_epochs=9"])
+    assert isinstance(e.value.code, str)  # a message: Python exits with status 1
+    with pytest.raises(SystemExit, match="takes no other arguments"):
+        resume_from_argv([f"resume={tmp_path}", f"resume={tmp_path}"])
+    assert resume_from_argv(["trainer.max_epochs=9"]) is False  # no resume=: a plain Hydra run
 
 
 _COMMON = ["logger=none", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",

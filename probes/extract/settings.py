@@ -42,6 +42,7 @@ class ExtractSettings:
     max_tokens: int  # wordpieces per batch
     max_batch_size: int  # sentences per batch
     max_pairs: int | None  # batch size * longest^2 per batch (attention maps); None: no bound
+    attention_budget_mb: float  # whole maps of a batch above this: attention in blocks of rows (probes.maps.engine)
     num_workers: int  # DataLoader processes
     trainer: Mapping[str, Any]  # the extraction Trainer's node (``_target_`` and arguments, no precision)
 
@@ -122,6 +123,7 @@ class ExtractSettings:
         return build(self.maps, self.measures)
 
     def batching(self) -> dict:
-        """``max_tokens``, ``max_batch_size``, ``max_pairs``, ``num_workers`` (not part of any cache key)."""
+        """``max_tokens``, ``max_batch_size``, ``max_pairs``, ``num_workers``, ``attention_budget_mb`` (not part of any
+        cache key)."""
         return dict(max_tokens=self.max_tokens, max_batch_size=self.max_batch_size, max_pairs=self.max_pairs,
-                    num_workers=self.num_workers)
+                    num_workers=self.num_workers, attention_budget_mb=self.attention_budget_mb)

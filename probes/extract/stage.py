@@ -81,6 +81,7 @@ def _extract(
     max_batch_size: int = 128,
     max_pairs: int | None = 65536,
     num_workers: int = 0,
+    attention_budget_mb: float = 1024,
     encoded: list[Encoded] | None = None,
     maps: str = "attention",
     measures: dict | None = None,
@@ -97,7 +98,8 @@ def _extract(
         return cache.AttentionCache(final_dir)
     engine = MapEngine(encoder.model, build(maps, measures), layers, from_words=from_words, to_words=to_words,
                        tokenizer=encoder.tokenizer, max_length=max_length, max_tokens=max_tokens,
-                       max_batch_size=max_batch_size, max_pairs=max_pairs)
+                       max_batch_size=max_batch_size, max_pairs=max_pairs, attention_budget_mb=attention_budget_mb,
+                       kind=maps)
     encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
     keep, too_long = engine.select(encoded, long_sentences)
     kept = [encoded[i] for i in keep]

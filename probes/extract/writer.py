@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BasePredictionWriter
 
 from probes.extract import cache
 from probes.io import naming_full_disk
@@ -105,9 +104,11 @@ class BackgroundWrites:
         self._thread.join()
 
 
-class CacheWriter(BasePredictionWriter):
+class CacheWriter(pl.Callback):
     """Writes each rank's predictions to its own shard; rank 0 finalizes the entry. A full disk is a
     :class:`~probes.io.DiskFullError` naming the entry being written (:func:`probes.io.naming_full_disk`).
+    A plain callback, not a ``BasePredictionWriter``: a batch's sentences are its ``index``, and Lightning's batch
+    indices, which a loader of whole batches does not have, would only be warned about at every extraction.
 
     Args:
         final_dir: The entry's folder (built in ``<final_dir>.partial`` and renamed into place).
@@ -117,7 +118,7 @@ class CacheWriter(BasePredictionWriter):
     """
 
     def __init__(self, final_dir: Path, manifest: dict, background: bool | None = None, depth: int = 2):
-        super().__init__(write_interval="batch")
+        super().__init__()
         self.final_dir = Path(final_dir)
         self.partial_dir = self.final_dir.with_name(self.final_dir.name + ".partial")
         self.manifest = manifest
@@ -138,7 +139,11 @@ class CacheWriter(BasePredictionWriter):
         behind = self.background if self.background is not None else pl_module.device.type == "cuda"
         self._behind = BackgroundWrites(self.depth) if behind else None
 
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.write_on_batch_end(trainer, pl_module, outputs, None, batch, batch_idx, dataloader_idx)
+
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        """Write one batch's predictions (``maps``, ``index``, ``n_words``); ``batch_indices`` is not read."""
         with stage("to host"):
             (maps, index, n_words), ready = to_host(prediction["maps"], prediction["index"], prediction["n_words"])
         job = functools.partial(self._write_maps, maps, index, n_words, ready)

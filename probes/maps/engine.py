@@ -1,7 +1,19 @@
-"""The map engine: encoded sentences, a model, layers and a map kind -> piece maps or word maps, batch by batch."""
+"""The map engine: encoded sentences, a model, layers and a map kind -> piece maps or word maps, batch by batch.
+
+Long sequences: a batch whose whole maps (L' x B x H x T x T floats) would exceed ``attention_budget_mb`` is computed
+in blocks of query rows sized to that budget (:mod:`probes.model.blockwise`), each block reduced at once
+(:mod:`probes.maps.reducers`: word maps, coarser units, head statistics) so that memory grows with the text, not its
+square; shorter batches keep the whole-map path. Kinds that need every layer's whole map (rollout, flow, ...) are
+refused beyond the budget, with the reason. A request whose reduced output cannot fit in the device's memory is
+refused before any forward (:class:`MapMemoryError`), and running out of memory during a batch is reported with the
+sizes and the settings to change.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -10,12 +22,46 @@ from tqdm import tqdm
 
 from probes.config import plain
 from probes.maps.batches import SentenceBatches, make_batch, pinned, prefetched, select, split_by_pairs
+from probes.maps.reducers import FLOAT_BYTES, MatrixPool, Pool, Reducer
 from probes.maps.timing import stage
 from probes.measures import Measure, build
 from probes.model.families import usable_max_length
 from probes.model.inputs import Encoded, length_batches, pad_encoded
 from probes.model.load import input_device
 from probes.progress import Progress
+
+MIB = 2 ** 20
+# what the CPU allocator says when it cannot allocate (a CUDA device raises torch.OutOfMemoryError)
+OUT_OF_MEMORY = re.compile(r"can't allocate memory|not enough memory|out of memory", re.IGNORECASE)
+# a block of q query rows holds about this many (B, H, q, T) float32 tensors at once: its scores and probabilities,
+# the mask rows, and the reducers' temporaries (measured: bench/long_context.py)
+BLOCK_COPIES = 4
+
+
+class MapMemoryError(MemoryError):
+    """The maps asked for cannot fit: refused before the forward, or memory ran out during one (the message names
+    the sizes and what to change)."""
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory the maps may still use on ``device``: a GPU's free memory plus what torch holds unused there; on the
+    host, the kernel's ``MemAvailable`` (``/proc/meminfo``), else the physical memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:,.2f} GiB" if n >= 2 ** 30 else f"{n / MIB:,.1f} MiB"
 
 
 def pad_id_of(tokenizer) -> int:
@@ -66,12 +112,17 @@ class MapEngine:
         max_batch_size: Sentences per batch.
         max_pairs: Attention pairs per batch (batch size * longest^2); None: no bound.
         pool_dtype: The dtype words are pooled in (:func:`probes.model.frozen.compute_in` yields it).
+        attention_budget_mb: The most MiB the whole maps of one batch may take (L' x B x H' x T^2 float32); a batch
+            above it is computed in blocks of query rows sized to it (attention), or refused (kinds that need
+            whole maps).
+        kind: The map kind's name, for messages (None: the measure's class).
     """
 
     def __init__(self, model: torch.nn.Module, measure: Measure, layers: Sequence[int] | None = None, *,
                  from_words: str = "mean", to_words: str = "sum", pad_id: int | None = None, tokenizer=None,
                  device: str | torch.device | None = None, max_length: int | None = None, max_tokens: int = 4096,
-                 max_batch_size: int = 128, max_pairs: int | None = 65536, pool_dtype: torch.dtype = torch.float32):
+                 max_batch_size: int = 128, max_pairs: int | None = 65536, pool_dtype: torch.dtype = torch.float32,
+                 attention_budget_mb: float = 1024, kind: str | None = None):
         self.model, self.measure = model, measure
         L = int(model.config.num_hidden_layers)
         self.layers = list(range(L)) if layers is None else [int(l) for l in layers]
@@ -85,6 +136,10 @@ class MapEngine:
         self.max_tokens, self.max_batch_size = int(max_tokens), int(max_batch_size)
         self.max_pairs = None if not max_pairs else int(max_pairs)
         self.pool_dtype = pool_dtype
+        self.budget = float(attention_budget_mb) * MIB
+        if not self.budget > 0:
+            raise ValueError(f"extract.attention_budget_mb must be > 0, got {attention_budget_mb}")
+        self.kind = kind or type(measure).__name__
 
     @classmethod
     def from_config(cls, extract: Mapping | DictConfig, model: torch.nn.Module, *, kind: str | None = None,
@@ -104,7 +159,8 @@ class MapEngine:
         x = plain(extract)
         kind = str(kind or x.get("maps") or "attention")
         settings = dict(from_words=x["from_words"], to_words=x["to_words"], max_length=x.get("max_length"),
-                        max_tokens=x["max_tokens"], max_batch_size=x["max_batch_size"], max_pairs=x.get("max_pairs"))
+                        max_tokens=x["max_tokens"], max_batch_size=x["max_batch_size"], max_pairs=x.get("max_pairs"),
+                        attention_budget_mb=x["attention_budget_mb"], kind=kind)
         return cls(model, build(kind, x.get("measures")), x.get("layers") if layers is None else layers,
                    **{**settings, **kwargs})
 
@@ -156,12 +212,100 @@ class MapEngine:
         with stage("forward"):
             return self.measure.layer_maps(self.model, input_ids, attention_mask, self.layers, token_type_ids)
 
+    # ------------------------------------------------------------------------- whole maps or blocks
+    def full_map_bytes(self, B: int, T: int) -> int:
+        """Bytes of the whole maps of a batch of B sequences of T pieces: L' x B x H' x T^2 float32."""
+        return len(self.layers) * B * self.num_heads * T * T * FLOAT_BYTES
+
+    def rows_per_block(self, B: int, T: int) -> int | None:
+        """None where the whole maps of a (B, T) batch fit ``attention_budget_mb`` (the whole-map path); else the
+        query rows per block that keep a block's tensors (:data:`BLOCK_COPIES` x B x H x rows x T float32) within
+        it (at least 1). A kind that needs whole maps is refused here (:class:`MapMemoryError`)."""
+        full = self.full_map_bytes(B, T)
+        if full <= self.budget:
+            return None
+        if not hasattr(self.measure, "reduce"):
+            raise MapMemoryError(
+                f"{self.kind} maps of a batch of {B} x {T} pieces need {_gib(full)} ({len(self.layers)} layers x {B} x "
+                f"{self.num_heads} x {T}^2 floats), above extract.attention_budget_mb={self.budget / MIB:g}; "
+                f"{self.kind} needs every layer's whole map at once (it combines whole maps across layers or solves on "
+                f"them), so it cannot be computed in blocks of rows: raise extract.attention_budget_mb if the memory "
+                f"is there, use shorter sequences (extract.max_length) or fewer layers, or use kind=attention, which "
+                f"is computed in blocks")
+        H = int(self.model.config.num_attention_heads)
+        return max(1, min(T, int(self.budget // (BLOCK_COPIES * B * H * T * FLOAT_BYTES))))
+
+    def check_fits(self, reducer: Reducer, positions: Sequence[int], items: Sequence[Encoded], device: torch.device,
+                   reduced: bool = True) -> None:
+        """Refuse (:class:`MapMemoryError`, before any forward) a batch whose reduced output (``reducer``'s state)
+        plus the working memory of its attention exceeds the memory available on ``device``
+        (:func:`available_bytes`). The working memory: the budget of its blocks; on the whole-map path one layer's
+        maps and their copies (``reduced``: each layer reduced before the next) or every layer's maps (kept until
+        they are pooled, :meth:`word_maps`)."""
+        B, T = len(items), max(e.n_pieces for e in items)
+        state = reducer.nbytes(self.layers, self.num_heads, positions, items)
+        rows = self.rows_per_block(B, T)
+        if rows is not None:
+            work = self.budget
+        elif reduced:
+            work = BLOCK_COPIES * B * int(self.model.config.num_attention_heads) * T * T * FLOAT_BYTES
+        else:
+            work = self.full_map_bytes(B, T)
+        free = available_bytes(device)
+        if state + work > free:
+            raise MapMemoryError(
+                f"the reduced maps ({type(reducer).__name__}) of {B} sequence(s) of up to {T} pieces, {len(self.layers)} "
+                f"layers x {self.num_heads} heads, need {_gib(state)}, plus {_gib(work)} to compute the attention "
+                f"(extract.attention_budget_mb={self.budget / MIB:g}); {device} has {_gib(free)} available. Ask for "
+                f"fewer layers, a coarser unit (sentences, spans of N pieces instead of words), or shorter sequences")
+
+    @contextlib.contextmanager
+    def _memory_errors(self, B: int, T: int, rows: int | None) -> Iterator[None]:
+        """Running out of memory inside the block is re-raised as :class:`MapMemoryError` naming the batch, the
+        path taken and the settings to change."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            text = str(e)
+            if not isinstance(e, torch.OutOfMemoryError) and not OUT_OF_MEMORY.search(text):
+                raise
+            path = ("whole maps" if rows is None else
+                    f"blocks of {rows} query rows")
+            raise MapMemoryError(
+                f"out of memory computing {self.kind} maps of a batch of {B} x {T} pieces ({len(self.layers)} layers, "
+                f"{path}, extract.attention_budget_mb={self.budget / MIB:g}): set extract.attention_budget_mb lower "
+                f"(smaller blocks; whole maps only below it), extract.max_tokens lower (smaller batches), or ask for "
+                f"fewer layers or a coarser unit. ({type(e).__name__}: {text.splitlines()[0] if text else ''})") from e
+
+    def reduce(self, inputs: Mapping[str, torch.Tensor], reducer: Reducer, positions: Sequence[int],
+               items: Sequence[Encoded]) -> list:
+        """The ``reducer``'s results (one per item) of one padded batch of ``items`` (input_ids, attention_mask (,
+        token_type_ids): (B, T) on the model's device): whole maps as one block each, or blocks of query rows
+        (:meth:`rows_per_block`)."""
+        ids = inputs["input_ids"]
+        B, T = ids.shape
+        rows = self.rows_per_block(B, T)
+        reducer.start(self.layers, self.num_heads, positions, items, T, ids.device)
+        with stage("forward"), self._memory_errors(B, T, rows):
+            self.measure.reduce(self.model, ids, inputs["attention_mask"], self.layers, reducer, rows,
+                                inputs.get("token_type_ids"))
+        return reducer.results()
+
     def word_maps(self, batch: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        """(B, L', H', W, W) word maps of a :meth:`batch` (pooled in ``pool_dtype``, outside autocast)."""
-        probs = self.piece_maps(batch["input_ids"], batch["attention_mask"],
-                                batch.get("token_type_ids"))  # L' x (B, H', T, T)
-        with torch.autocast(probs[0].device.type, enabled=False), stage("pool"):
-            return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype, self.pool_dtype)
+        """(B, L', H', W, W) word maps of a :meth:`batch` (pooled in ``pool_dtype``, outside autocast); a batch
+        whose whole maps exceed the budget in blocks of rows (:meth:`rows_per_block`), pooled block by block."""
+        B, T = batch["input_ids"].shape
+        rows = self.rows_per_block(B, T)
+        if rows is not None:
+            pool = MatrixPool(batch["from_mat"], batch["to_mat"])
+            items = [Encoded([], [], 0)] * B  # the units come from the matrices
+            with torch.autocast(batch["input_ids"].device.type, enabled=False):
+                return torch.stack(self.reduce(batch, pool, range(B), items)).to(dtype)
+        with self._memory_errors(B, T, None):
+            probs = self.piece_maps(batch["input_ids"], batch["attention_mask"],
+                                    batch.get("token_type_ids"))  # L' x (B, H', T, T)
+            with torch.autocast(probs[0].device.type, enabled=False), stage("pool"):
+                return pool_layers(probs, batch["from_mat"], batch["to_mat"], dtype, self.pool_dtype)
 
     def _on_device(self) -> torch.device:
         """The device batches go to (the model moved to ``device`` first when it is set)."""
@@ -209,11 +353,50 @@ class MapEngine:
     def iter_word_maps(self, items: Sequence[Encoded], dtype: torch.dtype = torch.float32, desc: str = "word maps",
                        progress: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(k, (L', H', W_k, W_k) word maps in dtype)`` of every ``items[k]``, in batch order; W_k =
-        its words + 2 (first special, words, last special; a special the tokenizer does not add is a zero row)."""
-        def step(batch, positions, its):
-            maps = self.word_maps(batch, dtype)  # (B, L', H', W, W)
-            for j, (k, it) in enumerate(zip(positions, its)):
-                w = it.n_words + 2
-                yield k, maps[j, :, :, :w, :w]
+        its words + 2 (first special, words, last special; a special the tokenizer does not add is a zero row).
+        Batches above the budget are computed in blocks and pooled by :class:`~probes.maps.reducers.Pool` (no
+        pooling matrices); a batch whose word maps cannot fit is refused before any forward."""
+        pool = Pool(from_units=self.from_words, to_units=self.to_words)
+        self._check_batches(items, pool, reduced=False)
 
-        return self._iter(items, desc, progress, lambda positions, its: self.batch(its, positions), step)
+        def make(positions, its):
+            if self.rows_per_block(len(its), max(e.n_pieces for e in its)) is None:
+                return self.batch(its, positions)
+            return pad_encoded(its, self.pad_id)
+
+        def step(batch, positions, its):
+            if "from_mat" in batch:
+                maps = self.word_maps(batch, dtype)  # (B, L', H', W, W)
+                for j, (k, it) in enumerate(zip(positions, its)):
+                    w = it.n_words + 2
+                    yield k, maps[j, :, :, :w, :w]
+                return
+            for k, m in zip(positions, self.reduce(batch, pool, positions, its)):
+                yield k, m.to(dtype)  # (L', H', W_k, W_k)
+
+        return self._iter(items, desc, progress, make, step)
+
+    def iter_reduced(self, items: Sequence[Encoded], reducer: Reducer, desc: str = "reduced maps",
+                     progress: bool = True) -> Iterator[tuple[int, object]]:
+        """Yield ``(k, result)`` of ``reducer`` (:mod:`probes.maps.reducers`) for every ``items[k]``, in batch order:
+        the attention of the chosen layers handed to the reducer as whole maps, or in blocks of query rows when a
+        batch's whole maps exceed the budget (documents: no whole map). Refused before any forward when a batch's
+        reduced output cannot fit (:meth:`check_fits`) or the kind cannot be reduced."""
+        if not hasattr(self.measure, "reduce"):
+            raise ValueError(f"{self.kind} maps cannot be reduced block by block (it needs every layer's whole map); "
+                             "use kind=attention, or iter_word_maps / iter_piece_maps")
+        self._check_batches(items, reducer)
+
+        def step(inp, positions, its):
+            yield from zip(positions, self.reduce(inp, reducer, positions, its))
+
+        return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
+
+    def _check_batches(self, items: Sequence[Encoded], reducer: Reducer, reduced: bool = True) -> None:
+        """:meth:`check_fits` of every batch of ``items`` (and :meth:`rows_per_block`'s refusal), before any
+        forward."""
+        if not items:
+            return
+        device = torch.device(self.device) if self.device is not None else input_device(self.model)
+        for b in self.batches(items):
+            self.check_fits(reducer, b, [items[k] for k in b], device, reduced)

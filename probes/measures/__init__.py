@@ -54,12 +54,22 @@ class Measure:
         return [maps[l] for l in layers]
 
 
-def build(maps: str, measures: Mapping | None) -> Measure:
-    """The measure of kind ``maps`` from the ``extract.measures`` node (``{kind: {_target_: ...}}``)."""
-    measures = dict(measures or {"attention": {"_target_": "probes.measures.attention.Attention"}})
+DEFAULT_MEASURES = {"attention": {"_target_": "probes.measures.attention.Attention"}}  # no extract.measures node
+
+
+def check_kind(maps: str, measures: Mapping | None, name: str = "extract.maps") -> None:
+    """A KeyError unless ``maps`` is a kind of the ``extract.measures`` node; the message calls the value ``name``:
+    the config key, or the argument the caller passed it as (``kind`` in :func:`probes.api.word_maps`)."""
+    measures = measures or DEFAULT_MEASURES
     if maps not in measures:
-        raise KeyError(f"extract.maps={maps!r} is not one of extract.measures: {', '.join(measures)}")
-    return instantiate(measures[maps])
+        raise KeyError(f"{name}={maps!r} is not one of extract.measures: {', '.join(measures)}")
+
+
+def build(maps: str, measures: Mapping | None) -> Measure:
+    """The measure of kind ``maps`` from the ``extract.measures`` node (``{kind: {_target_: ...}}``; an unknown
+    kind: :func:`check_kind`'s error)."""
+    check_kind(maps, measures)
+    return instantiate(dict(measures or DEFAULT_MEASURES)[maps])
 
 
 def from_config(extract_cfg: Mapping) -> tuple[str, Measure]:

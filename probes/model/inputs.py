@@ -350,10 +350,16 @@ def length_batches(lengths: Sequence[int], max_tokens: int, max_batch_size: int)
     return batches + [cur] if cur else batches
 
 
+def check_pooling(mode: str, name: str = "pooling") -> None:
+    """A ValueError unless ``mode`` is one of :data:`POOLINGS`; the message calls the value ``name`` (the config
+    key the caller wrote, e.g. ``extract.from_words``)."""
+    if mode not in POOLINGS:
+        raise ValueError(f"{name}={mode!r} is not a pooling: expected one of {POOLINGS}")
+
+
 def pooling_matrix(word_of_piece: Sequence[int], n_words: int, mode: str) -> torch.Tensor:
     """(W, T) matrix M with word attention = M_from @ A @ M_to^T; W = n_words + 2 (first special, words, last)."""
-    if mode not in POOLINGS:
-        raise ValueError(f"unknown pooling '{mode}', expected one of {POOLINGS}")
+    check_pooling(mode)
     T, W = len(word_of_piece), n_words + 2
     rows = torch.tensor([w + 1 for w in word_of_piece])  # (T,) row of each piece; first special -> 0
     m = torch.zeros(W, T)

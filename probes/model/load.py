@@ -103,6 +103,10 @@ class Encoder:
         self.dtype = weights_dtype(dtype)
         self.config = config if config is not None else self._model.config
         self.tokenizer, self.name, self.fingerprint, self.head = tokenizer, name, fingerprint, head
+        # How the weights were stored when not as the checkpoint's own tensors, read from the file by the loader
+        # (a GGUF file: gguf_weights, e.g. "GGUF Q4_K_M (Q4_K 76 %, Q6_K 24 % of the weights), dequantized to
+        # float32 at fetch"); None: as published.
+        self.weights: str | None = None
         self.family = family(self.config)
         if self.causal:
             set_padding(self.tokenizer, self.config)
@@ -594,7 +598,121 @@ def _load_gguf(path: Path, head: str = "base", name: str | None = None, bos: boo
                                     dtype=dtype, **(placement or {}))
         return model
 
-    return Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head, dtype)
+    encoder = Encoder(load, tokenizer, name or path.stem, file_digest([path]), config, head, dtype)
+    encoder.weights = gguf_weights(path, f"dequantized to {dtype_name(dtype)} on load")
+    return encoder
+
+
+# GGUF metadata value types (gguf.GGUFValueType) of fixed size: their struct formats; 8 is a string, 9 an array.
+GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf_header(path: Path, keys: Iterable[str] = ()) -> tuple[dict, dict[int, int]]:
+    """The values of the metadata ``keys`` the ``.gguf`` file ``path`` holds (scalars and strings; absent keys left
+    out) and ``{ggml tensor type code: number of weights}`` of its tensors, read from its header alone: the
+    key-value pairs and tensor descriptions are walked in order, other values skipped (the gguf package's reader
+    parses every array and takes seconds on a large vocabulary). A file that is not a GGUF file of version 2 or
+    later, or whose header ends early, is a :class:`ModelFileError` naming it."""
+    keys = set(keys)
+
+    def read(f, fmt: str):
+        data = f.read(struct.calcsize(fmt))
+        if len(data) != struct.calcsize(fmt):
+            raise ModelFileError(f"{path}: the GGUF header ends early (at byte {f.tell():,}): the file is truncated")
+        return struct.unpack(fmt, data)[0]
+
+    def string(f) -> str:
+        n = read(f, "<Q")
+        data = f.read(n)
+        if len(data) != n:
+            raise ModelFileError(f"{path}: the GGUF header ends early (at byte {f.tell():,}): the file is truncated")
+        return data.decode("utf-8", "replace")
+
+    def skip(f, vtype: int) -> None:
+        if vtype in GGUF_SCALARS:
+            f.seek(struct.calcsize(GGUF_SCALARS[vtype]), os.SEEK_CUR)
+        elif vtype == 8:
+            f.seek(read(f, "<Q"), os.SEEK_CUR)
+        elif vtype == 9:
+            etype, n = read(f, "<I"), read(f, "<Q")
+            if etype in GGUF_SCALARS:
+                f.seek(n * struct.calcsize(GGUF_SCALARS[etype]), os.SEEK_CUR)
+            else:
+                for _ in range(n):
+                    skip(f, etype)
+        else:
+            raise ModelFileError(f"{path}: GGUF metadata value type {vtype} is not one of the format's (0-12)")
+
+    values, types = {}, {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelFileError(f"{path}: not a GGUF file (its first bytes are not the magic 'GGUF')")
+        version = read(f, "<I")
+        if version < 2:
+            raise ModelFileError(f"{path}: GGUF version {version}; only versions 2 and later are read")
+        n_tensors, n_kv = read(f, "<Q"), read(f, "<Q")
+        for _ in range(n_kv):
+            name, vtype = string(f), read(f, "<I")
+            if name in keys and vtype in GGUF_SCALARS:
+                values[name] = read(f, GGUF_SCALARS[vtype])
+            elif name in keys and vtype == 8:
+                values[name] = string(f)
+            else:
+                skip(f, vtype)
+        for _ in range(n_tensors):  # name, dimensions, type, offset
+            string(f)
+            n_dims = read(f, "<I")
+            size = 1
+            for _ in range(n_dims):
+                size *= read(f, "<Q")
+            ttype = read(f, "<I")
+            read(f, "<Q")
+            types[ttype] = types.get(ttype, 0) + size
+    return values, types
+
+
+def gguf_metadata(path: Path, key: str):
+    """The value of the metadata ``key`` of the ``.gguf`` file ``path`` (a scalar or string); None when it has no
+    such key (:func:`read_gguf_header`)."""
+    return read_gguf_header(path, (key,))[0].get(key)
+
+
+def _gguf_name(enum, code: int, prefixes: tuple[str, ...] = ()) -> str:
+    """The gguf package's name of ``code`` in ``enum``, ``prefixes`` removed; ``type <code>`` when unknown."""
+    try:
+        name = enum(int(code)).name
+    except ValueError:
+        return f"type {int(code)}"
+    for p in prefixes:
+        name = name.removeprefix(p)
+    return name
+
+
+def gguf_file_type(path: Path) -> str | None:
+    """The quantization the ``.gguf`` file's own header names (``general.file_type`` as llama.cpp's file types
+    name it, e.g. ``Q4_1``, ``Q4_K_M``, ``F16``); None when the header holds no file type."""
+    import gguf  # optional (a dependency of GGUF loading)
+
+    code = gguf_metadata(path, "general.file_type")
+    return None if code is None else _gguf_name(gguf.LlamaFileType, code, ("MOSTLY_", "ALL_"))
+
+
+def gguf_weights(path: Path, how: str) -> str:
+    """What the ``.gguf`` file ``path`` holds, as an encoder read from it states it: the file type its header
+    names, the tensor types and their shares of the weights (those of at least 0.5 %, largest first), and
+    ``how`` they were read; e.g. ``GGUF Q4_K_M (Q4_K 76 %, Q6_K 24 % of the weights), dequantized to float32 at
+    fetch``."""
+    import gguf  # optional (a dependency of GGUF loading)
+
+    values, types = read_gguf_header(path, ("general.file_type",))
+    code = values.get("general.file_type")
+    kind = ("(no file type in its header)" if code is None
+            else _gguf_name(gguf.LlamaFileType, code, ("MOSTLY_", "ALL_")))
+    total = sum(types.values())
+    shares = [(_gguf_name(gguf.GGMLQuantizationType, t), n / total) for t, n in
+              sorted(types.items(), key=lambda kv: -kv[1]) if total and n / total >= 0.005]
+    mix = ", ".join(f"{name} {100 * share:.0f} %" for name, share in shares)
+    return f"GGUF {kind} ({mix} of the weights), {how}"
 
 
 def gguf_problem(path: Path, error: Exception) -> str:

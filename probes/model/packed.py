@@ -179,10 +179,10 @@ def _observed(modules: list[nn.Module], encoder: nn.Module) -> bool:
 
 def _real_positions(mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
     """(N,) flat indices (into B * T) of the positions some query may see; None when the mask is not a
-    (B, 1|H, T, T) additive or boolean mask."""
+    (B, 1|H, T, T) additive or boolean tensor (a described mask of blocks, :mod:`probes.model.blockwise`)."""
     if mask is None:
         return torch.arange(B * T)
-    if mask.dim() != 4 or mask.shape[0] != B or mask.shape[-2:] != (T, T):
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[0] != B or mask.shape[-2:] != (T, T):
         return None
     seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B, 1|H, T, T)
     return seen.any(dim=2).any(dim=1).view(-1).nonzero().squeeze(1)  # (N,)

@@ -110,6 +110,8 @@ class WandbRunLogger(WandbLogger):
         super().__init__(save_dir=save_dir, project=project, mode=mode, group=group or ident["group"],
                          name=name or ident["name"], job_type=self.job_type, tags=list(tags),
                          log_model=self._artifacts, **kwargs)
+        if self._wandb_init.get("anonymous") is None:  # Lightning's default; wandb warns about the key at any value
+            self._wandb_init.pop("anonymous", None)
         write_provenance(save_dir)
 
     def log_hyperparams(self, params) -> None:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from probes.analysis.plots import plt
+from probes.analysis.plots import layer_ticks, plt
 from probes.io import atomic_write
 
+PANEL_LAYER_LABELS = 8  # the most layer numbers one narrow panel labels
 METRICS = {"val/uuas_best": "UUAS (dev, best epoch)", "test/uuas": "UUAS (test)", "test/dspr": "DSpr. (test)",
            "val/root_acc_best": "root accuracy (dev, best epoch)", "test/root_acc": "root accuracy (test)",
            "test/nspr": "NSpr. (test)"}
@@ -47,7 +48,10 @@ def layer_figure(values: dict[str, dict[int, float]], title: str = ""):
         ax.plot(layers, ys, marker="o")
         best = layers[max(range(len(ys)), key=ys.__getitem__)]
         ax.axvline(best, color="grey", ls=":", lw=1)
-        ax.set_xticks(layers)
+        if len(layers) <= PANEL_LAYER_LABELS:
+            ax.set_xticks(layers)  # the layers probed, each labelled
+        else:  # many layers on a narrow panel: thinned labels (probes.analysis.plots.layer_ticks)
+            layer_ticks(ax, layers[0], layers[-1], max_labels=PANEL_LAYER_LABELS)
         ax.set_xlabel("layer (0 = embeddings)", fontsize=8)
         ax.set_title(METRICS[k], fontsize=9)
         ax.grid(alpha=0.3)

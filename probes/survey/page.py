@@ -73,6 +73,18 @@ class Records:
     def causal(self) -> bool:
         return bool(self.meta["causal"])
 
+    @property
+    def weights(self) -> str | None:
+        """How the model's weights were stored (``weights`` of its records, read from the model's file by its
+        loader, e.g. ``GGUF Q4_K_M (Q4_K 76 %, Q6_K 24 % of the weights), dequantized to float32 at fetch``);
+        None: as published. Records written before the field existed are passed over; records that disagree, or
+        none holding it, are an error."""
+        found = {json.dumps(rec["weights"]) for rec in map(self.record, self.steps()) if "weights" in rec}
+        if len(found) != 1:
+            raise ValueError(f"{self.root}: the records' weights field is {sorted(found) or 'in none of them'}; "
+                             f"rerun a step (python -m probes.survey encoder={self.model} only=[sink] force=true)")
+        return json.loads(found.pop())
+
     def structural(self) -> pd.DataFrame:
         """The structural sweep's finished jobs with their probed ``layer`` (hidden state, 0 = embeddings)."""
         s = self.csv("structural", "summary.csv")
@@ -111,17 +123,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 # ------------------------------------------------------------------------------------------------ tables
 def models_table(recs: list[Records]) -> str:
-    """Each model: kind, layers x heads, own loss, sentence counts, wall time of its steps."""
+    """Each model: kind, layers x heads, its weights as stored, own loss, sentence counts, wall time of its steps."""
     rows = []
     for r in recs:
         sizes = r.meta["sizes"]
         wall = sum(r.record(s)["wall_time_s"] for s in r.steps())
         loss = r.json("grad_sep")["objective"] if r.has("grad_sep") else "–"
         heads = r.meta["num_heads"]
-        rows.append([r.name, "decoder" if r.causal else "encoder", f"{r.num_layers} x {heads}", loss,
-                     f"{sizes['train']} / {sizes['dev']} / {sizes['test']}",
+        rows.append([r.name, "decoder" if r.causal else "encoder", f"{r.num_layers} x {heads}",
+                     r.weights or "as published", loss, f"{sizes['train']} / {sizes['dev']} / {sizes['test']}",
                      f"{sizes['clustering']} / {sizes['grad']} / {sizes['windows']}", f"{wall / 60:.1f}"])
-    return table(["model", "kind", "layers x heads", "own loss", "sentences train / dev / test",
+    return table(["model", "kind", "layers x heads", "weights", "own loss", "sentences train / dev / test",
                   "clustering / no-op test / sink windows", "wall time (min)"], rows)
 
 
@@ -142,16 +154,18 @@ def attention_table(recs: list[Records]) -> str:
 
 
 def sink_table(recs: list[Records]) -> str:
-    """Gu et al.'s sink metric: share of heads whose mean attention to the first token exceeds the threshold."""
+    """Gu et al.'s sink rate (alpha > threshold per window, averaged over windows, layers and heads), the share of
+    heads whose alpha averaged over the windows exceeds the threshold, and the layers whose own rate exceeds 1/2."""
     rows = []
     for r in recs:
         s = r.json("sink")
         d = r.csv("sink", "sink_by_layer.csv").sort_values("layer")
-        most = d[d.share_above > 0.5]
-        rows.append([r.name, str(s["first_token"]), pct(s["sink_rate"]), f"{len(most)} of {len(d)}",
-                     str(int(most.layer.min()) + 1) if len(most) else "–", f"{d.mean_alpha.mean():.2f}"])
-    return table(["model", "position 0 (first window)", "sink rate (%)", "layers with most heads sinking",
-                  "first such layer", "mean attention to it"], rows)
+        most = d[d.sink_rate > 0.5]
+        rows.append([r.name, str(s["first_token"]), pct(s["sink_rate"]), pct(s["share_mean_alpha_above"]),
+                     f"{len(most)} of {len(d)}", str(int(most.layer.min()) + 1) if len(most) else "–",
+                     f"{d.mean_alpha.mean():.2f}"])
+    return table(["model", "position 0 (first window)", "sink rate (%)", "heads with mean α > 0.3 (%)",
+                  "layers with a sink rate above 50 %", "first such layer", "mean attention to it"], rows)
 
 
 def grad_table(recs: list[Records]) -> str:
@@ -242,7 +256,7 @@ def depth_figure(recs: list[Records]):
     """Six panels against relative depth, one line per model."""
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     panels = [("attention to position 0", axes[0, 0]), ("attention to . , ([SEP] dashed)", axes[0, 1]),
-              ("share of heads > 0.3 to the first token (64 tokens)", axes[0, 2]),
+              ("sink rate: share of (window, head) with α > 0.3", axes[0, 2]),
               ("attention entropy (nats)", axes[1, 0]), ("no-op test: |dL/dA| sink / other", axes[1, 1]),
               ("structural probe: test UUAS", axes[1, 2])]
     for r in recs:
@@ -258,7 +272,7 @@ def depth_figure(recs: list[Records]):
             axes[0, 1].plot(depth(s.index), s.values, ls="--", color=line.get_color())
         if r.has("sink"):
             k = r.csv("sink", "sink_by_layer.csv").sort_values("layer")
-            axes[0, 2].plot(depth(k.layer), k.share_above, marker=".", color=line.get_color())
+            axes[0, 2].plot(depth(k.layer), k.sink_rate, marker=".", color=line.get_color())
         e = per_layer(d, "entropy")
         axes[1, 0].plot(depth(e.index), e.values, marker=".", color=line.get_color())
         if r.has("grad_sep"):

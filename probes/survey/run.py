@@ -34,7 +34,7 @@ def model_facts(cfg: DictConfig, model: str, overrides: Sequence[str] = ()) -> M
     layers = depth_layers(enc.num_layers, int(cfg.structural_depths))
     return ModelFacts(model=model, name=enc.name, num_layers=enc.num_layers, num_heads=enc.num_heads,
                       causal=bool(enc.causal), objective=str(cfg.own_loss[model]),
-                      layers=",".join(map(str, layers)), overrides=tuple(overrides))
+                      layers=",".join(map(str, layers)), overrides=tuple(overrides), weights=enc.weights)
 
 
 def run_survey(cfg: DictConfig, model: str, overrides: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
@@ -58,7 +58,7 @@ def run_survey(cfg: DictConfig, model: str, overrides: Sequence[str] = ()) -> di
     records_dir, work_dir = Path(cfg.records_dir) / model, Path(cfg.work_dir) / model
     argvs = {n: steps[n].command(entries, facts, sizes) for n in names}  # every placeholder checked up front
     extra = dict(model=model, name=facts.name, num_layers=facts.num_layers, num_heads=facts.num_heads,
-                 causal=facts.causal, sizes=sizes)
+                 causal=facts.causal, weights=facts.weights, sizes=sizes)
     out, failed = {}, []
     for n in tqdm(names, desc=f"survey {model}", unit="step", disable=None):
         argv, record_dir = argvs[n], records_dir / n

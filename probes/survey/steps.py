@@ -4,9 +4,10 @@ A :class:`Step` is a command line of ``python -m probes.analyze``, ``python trai
 (``entry``, a key of the survey's ``entries``) with its arguments; placeholders in braces are filled from the
 model being surveyed (:class:`ModelFacts`: ``{model}``, ``{objective}``, ``{layers}``, ...). It runs in a child
 process into its own run folder, and the files it names (``keep``) are copied with a ``record.json`` (command,
-date, machine, wall time, commit, load average) into ``<records_dir>/<model>/<step>/``, written whole or not at
-all (a temporary folder renamed into place). A step whose record holds the same command and sizes is not run again,
-so an interrupted survey resumes where it stopped.
+date, machine, wall time, commit, load average, the model's facts and ``weights``: how its weights were stored)
+into ``<records_dir>/<model>/<step>/``, written whole or not at all (a temporary folder renamed into place). A
+step whose record holds the same command and sizes is not run again, so an interrupted survey resumes where it
+stopped.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class ModelFacts:
     objective: str        # the model's own loss for the no-op test (grad_sep's objective key)
     layers: str           # the layers the structural probe reads, comma-separated (relative depths)
     overrides: tuple[str, ...] = ()   # encoder.* overrides given to the survey, passed to every step
+    weights: str | None = None        # how the weights were stored, read from the model's file by its loader
+    #                                   (e.g. "GGUF Q4_1 (Q4_1 79 %, Q8_0 21 % of the weights), dequantized to
+    #                                   float32 at fetch"); None: as published
 
     def fill(self, text: str, sizes: Mapping[str, Any]) -> str:
         """``text`` with ``{model}``, ``{objective}``, ``{layers}``, ``{num_layers}`` and ``{sizes.<key>}`` filled."""

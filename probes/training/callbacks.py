@@ -35,7 +35,7 @@ class LastCheckpoint(Checkpoint):
             return
         self.dirpath.mkdir(parents=True, exist_ok=True)
         tmp = self.dirpath / f".{self.filename}.epoch{trainer.current_epoch}.tmp"  # the same name on every rank
-        trainer.save_checkpoint(tmp)  # every rank calls it, rank 0 writes
+        trainer.save_checkpoint(tmp, weights_only=False)  # the full state (resume); every rank calls it, rank 0 writes
         if trainer.is_global_zero:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())

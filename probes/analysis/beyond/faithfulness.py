@@ -61,11 +61,11 @@ import numpy as np
 import pandas as pd
 import torch
 from hydra.utils import instantiate
-from matplotlib.ticker import MaxNLocator
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from probes.analysis.kovaleva.common import checkpoints, load_checkpoint
+from probes.analysis.plots import layer_ticks
 from probes.stats import bootstrap_mean, spearman_rows
 from probes.data.glue import GlueExample, read_glue, task_spec
 from probes.glue.export import hf_folder
@@ -350,7 +350,7 @@ def layers_figure(layers: pd.DataFrame, kinds: Sequence[str], references: Sequen
     for ax, m in zip(axes, METRICS):
         if len(scored):
             ax.set_xlim(scored.min() - 0.5, scored.max() + 0.5)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            layer_ticks(ax, int(scored.min()), int(scored.max()))
         d = layers[layers.metric == m]
         for kind in kinds:
             k = d[d.kind == kind].sort_values("layer")
@@ -562,14 +562,10 @@ def tables(result: FaithfulnessResult) -> FaithfulnessTables:
 
 
 def save(ctx, result: FaithfulnessResult, frames: FaithfulnessTables, started: float) -> None:
-    """Write the tables, the figures and summary.json into ``ctx.output_dir``.
-
-    Args:
-        ctx: The analysis context.
-        result: What :func:`compute` returned.
-        frames: What :func:`tables` made of it.
-        started: ``time.time()`` at the start of the run (the summary's seconds).
-    """
+    """Stage 3, :class:`probes.analysis.stages.Save` (arguments and contract there): per checkpoint
+    ``faithfulness[_<task>]``, ``faithfulness_layers[...]``, ``faithfulness_examples[...]`` .csv and the
+    ``faithfulness[...]`` / ``faithfulness_layers[...]`` .png, with ``faithfulness_papers.csv`` when the
+    papers' numbers are known; the summary holds per task the settings, timing and main table."""
     sc, split = result.scoring, result.examples.split
     summary = {}
     for t, tab in zip(result.tasks, frames.tasks):

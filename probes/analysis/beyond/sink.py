@@ -1,12 +1,17 @@
 """``analysis=sink``: the attention-sink metric of Gu et al. 2024 ("When Attention Sink Emerges in Language Models").
 
-Definition: on inputs of exactly ``window`` (T = 64) pieces, for every layer l and head h,
-``alpha[l, h]`` = the mean over the query rows t = 0..T-1 of ``A[l, h, t, 0]``, the attention to the first
-token (position 0: [CLS] for BERT-style encoders, ``<s>`` for MPNet / RoBERTa-style ones, the BOS of decoders
-whose tokenizer adds one, else the window's first piece). Every row sees position 0, causal or not; a causal
-model's row 0 (attention 1 to itself) is counted like any other. ``alpha`` is averaged over the windows
-(mean of the per-window alphas) and then thresholded: the **sink rate** is the share of (l, h) pairs with
-``alpha > threshold`` (epsilon, 0.3 in Gu et al.).
+Definition: on inputs of exactly ``window`` (T = 64) pieces, for every window n, layer l and head h,
+``alpha[n, l, h]`` = the mean over the query rows t = 0..T-1 of ``A[n, l, h, t, 0]``, the attention to the
+first token (position 0: [CLS] for BERT-style encoders, ``<s>`` for MPNet / RoBERTa-style ones, the BOS of
+decoders whose tokenizer adds one, else the window's first piece). Every row sees position 0, causal or not; a
+causal model's row 0 (attention 1 to itself) is counted like any other. The **sink rate** is the authors' own:
+each window's alpha is compared with the threshold (epsilon, 0.3 in Gu et al.) and the indicator
+``alpha[n, l, h] > threshold`` is averaged over the windows, layers and heads (``compute_attention_sink`` in
+``eval_sink_open_source.py`` of github.com/sail-sg/Attention-Sink: ``(importance_scores > epsilon)`` averaged
+over samples, layers and heads, its position-0 entry). Beside it, under its own name, the share of (l, h) pairs
+whose alpha averaged over the windows exceeds the threshold (``share_mean_alpha_above``: mean, then threshold),
+a different quantity: a head above the threshold in 60 % of the windows counts 0.6 in the sink rate and 1 or 0
+in that share, as its mean alpha falls.
 
 Inputs (:func:`text_windows`): the words of every sentence of the treebank split, in file order, joined with
 single spaces into one running text of the whole split (document boundaries are ignored: the text runs on
@@ -18,11 +23,14 @@ each chunk gets the tokenizer's own specials (those it puts before and after one
 an error naming the split. The attention maps come from the project's model layer through the map engine
 (:class:`probes.maps.MapEngine` with :class:`probes.measures.attention.Attention`), as every analysis reads them.
 
-Outputs: ``sink.csv`` (layer, head, alpha; 0-based), ``sink_by_layer.csv`` (layer, mean_alpha, share_above,
-n_heads), ``sink.png`` (per layer: mean alpha over heads with every head's alpha, and the share of heads above
-the threshold), ``sink_heads.png`` (alpha per layer x head), ``summary.json`` (``sink_rate``, ``threshold``,
+Outputs: ``sink.csv`` (layer, head, alpha: the mean over windows, windows_above: the share of windows with
+alpha > threshold; 0-based), ``sink_by_layer.csv`` (layer, mean_alpha, sink_rate: the authors' rate over the
+layer's windows and heads, share_mean_alpha_above: the share of its heads whose mean alpha exceeds the
+threshold, n_heads), ``sink.png`` (per layer: mean alpha over heads with every head's alpha, and the sink rate
+with every head's share of windows above the threshold), ``sink_heads.png`` (alpha per layer x head),
+``summary.json`` (``sink_rate``, ``share_mean_alpha_above``, ``sink_rate_definition``, ``threshold``,
 ``window``, ``n_windows``, ``first_token``: the piece at position 0 of the first window, ``first_is_special``,
-``causal``, ``seconds``).
+``causal``, ``per_layer_mean_alpha``, ``per_layer_sink_rate``, ``seconds``).
 """
 
 from __future__ import annotations
@@ -94,44 +102,63 @@ def text_windows(tokenizer, text: str, window: int = 64, max_windows: int | None
     return out
 
 
+# Gu et al.'s sink rate, as their code computes it (summary.json ``sink_rate_definition``).
+SINK_RATE_DEFINITION = ("Gu et al. 2024: the indicator alpha > threshold of every window, layer and head, averaged "
+                        "over the windows, layers and heads (compute_attention_sink, eval_sink_open_source.py, "
+                        "github.com/sail-sg/Attention-Sink); alpha: a head's attention to position 0, mean over the "
+                        "query rows of one window")
+
+
 def first_token_alpha(encoder, windows: Sequence[Encoded], device: str = "cpu", max_batch_size: int = 32,
                       desc: str = "sink") -> np.ndarray:
-    """(L, H) mean over ``windows`` of each head's mean attention to position 0 over the query rows."""
+    """(N, L, H): each window's mean over the query rows of each head's attention to position 0."""
     T = windows[0].n_pieces
     engine = MapEngine(encoder.model, Attention(), tokenizer=encoder.tokenizer, device=device,
                        max_tokens=T * int(max_batch_size), max_batch_size=int(max_batch_size), max_pairs=None)
-    total = None
-    for _, attn in engine.iter_piece_maps(list(windows), desc=desc):  # attn: (L, H, T, T)
-        alpha = attn[..., :, 0].double().mean(-1)  # (L, H) mean over query rows of attention to position 0
-        total = alpha if total is None else total + alpha
-    return (total / len(windows)).cpu().numpy()
+    alpha = None
+    for k, attn in engine.iter_piece_maps(list(windows), desc=desc):  # attn: (L, H, T, T)
+        a = attn[..., :, 0].double().mean(-1).cpu().numpy()  # (L, H) mean over query rows of attention to position 0
+        if alpha is None:
+            alpha = np.full((len(windows), *a.shape), np.nan)  # (N, L, H)
+        alpha[k] = a
+    if alpha is None or not np.isfinite(alpha).all():
+        raise RuntimeError(f"sink: the attention to position 0 of {encoder.name} is missing or not finite in "
+                           f"{0 if alpha is None else int((~np.isfinite(alpha)).any(axis=(1, 2)).sum())} of "
+                           f"{len(windows)} windows")
+    return alpha
 
 
-def alpha_table(alpha: np.ndarray) -> pd.DataFrame:
-    """(layer, head, alpha) rows of an (L, H) array; 0-based layer/head."""
-    L, H = alpha.shape
-    return pd.DataFrame([(l, h, float(alpha[l, h])) for l in range(L) for h in range(H)],
-                        columns=["layer", "head", "alpha"])
+def alpha_table(alpha: np.ndarray, threshold: float) -> pd.DataFrame:
+    """(layer, head, alpha, windows_above) rows of the (N, L, H) per-window alphas: the mean over the windows and
+    the share of windows with alpha > ``threshold``; 0-based layer/head."""
+    mean, above = alpha.mean(0), (alpha > threshold).mean(0)  # (L, H) each
+    L, H = mean.shape
+    return pd.DataFrame([(l, h, float(mean[l, h]), float(above[l, h])) for l in range(L) for h in range(H)],
+                        columns=["layer", "head", "alpha", "windows_above"])
 
 
 def layer_table(alpha: np.ndarray, threshold: float) -> pd.DataFrame:
-    """(layer, mean_alpha, share_above, n_heads) of an (L, H) array: mean over heads and the share of heads with
-    alpha > ``threshold``."""
-    above = alpha > threshold  # (L, H)
-    return pd.DataFrame(dict(layer=np.arange(alpha.shape[0]), mean_alpha=alpha.mean(1), share_above=above.mean(1),
-                             n_heads=np.full(alpha.shape[0], alpha.shape[1])))
+    """(layer, mean_alpha, sink_rate, share_mean_alpha_above, n_heads) of the (N, L, H) per-window alphas: the
+    mean alpha over windows and heads, Gu et al.'s rate (alpha > ``threshold`` per window, averaged over the
+    windows and heads) and the share of heads whose mean alpha over the windows exceeds ``threshold``."""
+    mean = alpha.mean(0)  # (L, H)
+    return pd.DataFrame(dict(layer=np.arange(mean.shape[0]), mean_alpha=mean.mean(1),
+                             sink_rate=(alpha > threshold).mean(axis=(0, 2)),
+                             share_mean_alpha_above=(mean > threshold).mean(1),
+                             n_heads=np.full(mean.shape[0], mean.shape[1])))
 
 
 def sink(ctx, *, split: str = "dev", window: int = 64, max_windows: int | None = 100, threshold: float = 0.3,
          max_batch_size: int = 32) -> pd.DataFrame:
-    """Compute, save and plot the attention-sink metric (module doc); returns the (layer, head, alpha) table.
+    """Compute, save and plot the attention-sink metric (module doc); returns the (layer, head, alpha,
+    windows_above) table.
 
     Args:
         ctx: The analysis context.
         split: The treebank split whose running text is read.
         window: Pieces per input, the tokenizer's specials included (Gu et al.: 64).
         max_windows: The first N windows of the split; None: all.
-        threshold: epsilon: a head is a sink head when its alpha exceeds it (Gu et al.: 0.3).
+        threshold: epsilon: a head sinks in a window when its alpha there exceeds it (Gu et al.: 0.3).
         max_batch_size: Windows per forward.
     """
     t0 = time.time()
@@ -142,25 +169,31 @@ def sink(ctx, *, split: str = "dev", window: int = 64, max_windows: int | None =
     sentences = ctx.sentences(split)
     what = f"split {split!r} ({ctx.treebank.path(split)})"
     windows = text_windows(tok, running_split_text(sentences), window, max_windows, what=what)
-    alpha = first_token_alpha(encoder, windows, ctx.device, max_batch_size)  # (L, H)
-    df = alpha_table(alpha)
+    alpha = first_token_alpha(encoder, windows, ctx.device, max_batch_size)  # (N, L, H)
+    df = alpha_table(alpha, threshold)
+    by_layer = layer_table(alpha, threshold)
     ctx.save_table(df, "sink")
-    ctx.save_table(layer_table(alpha, threshold), "sink_by_layer")
+    ctx.save_table(by_layer, "sink_by_layer")
 
-    titles = {"alpha": "alpha (mean attention to position 0)", "above": f"share of heads with alpha > {threshold:g}"}
-    stats = {"alpha": alpha, "above": (alpha > threshold).astype(float)}  # (L, H) each
-    ctx.save_figure(plots.layer_curves(stats, groups=[["alpha", "above"]], ylabels=["alpha / share of heads"],
-                                       hlines=[{f"epsilon = {threshold:g}": threshold}], titles=titles), "sink")
-    ctx.save_figure(plots.heatmaps({"alpha": alpha}, titles=titles, ncols=1), "sink_heads")
+    mean, above = alpha.mean(0), (alpha > threshold).mean(0)  # (L, H) each
+    titles = {"alpha": "alpha (mean over windows of the attention to position 0)",
+              "above": f"sink rate: share of windows with alpha > {threshold:g}"}
+    ctx.save_figure(plots.layer_curves({"alpha": mean, "above": above}, groups=[["alpha", "above"]],
+                                       ylabels=["alpha / share"], hlines=[{f"epsilon = {threshold:g}": threshold}],
+                                       titles=titles), "sink")
+    ctx.save_figure(plots.heatmaps({"alpha": mean}, titles=titles, ncols=1), "sink_heads")
 
     first_id = windows[0].input_ids[0]
     sink_rate = float((alpha > threshold).mean())
+    share = float((mean > threshold).mean())
     ctx.log_summary(dict(analysis="sink", split=split, encoder=encoder.name, causal=is_causal(encoder),
-                         sink_rate=sink_rate, threshold=float(threshold), window=int(window), n_windows=len(windows),
+                         sink_rate=sink_rate, share_mean_alpha_above=share, sink_rate_definition=SINK_RATE_DEFINITION,
+                         threshold=float(threshold), window=int(window), n_windows=len(windows),
                          first_token=tok.convert_ids_to_tokens(first_id),
                          first_is_special=first_id in set(tok.all_special_ids),
-                         per_layer_mean_alpha=[float(x) for x in alpha.mean(1)],
+                         per_layer_mean_alpha=[float(x) for x in by_layer.mean_alpha],
+                         per_layer_sink_rate=[float(x) for x in by_layer.sink_rate],
                          seconds=round(time.time() - t0, 1)))
-    log.info("sink: rate %.3f (alpha > %g) over %d windows of %d pieces in %.1fs", sink_rate, threshold,
-             len(windows), window, time.time() - t0)
+    log.info("sink: rate %.3f (alpha > %g per window; mean alpha > %g: %.3f of the heads) over %d windows of %d "
+             "pieces in %.1fs", sink_rate, threshold, threshold, share, len(windows), window, time.time() - t0)
     return df

@@ -47,10 +47,11 @@ import pandas as pd
 import torch
 from sklearn.manifold import MDS
 
-from probes.analysis.clark.head_stats import (encode_inputs, first_token_name, fitting, separator_positions,
-                                              sequence_attention)
+from probes.analysis.clark.head_stats import (SentenceCounts, encode_inputs, first_token_name, fitting,
+                                              separator_positions, sequence_attention)
 from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, is_causal, punct_positions, smooth
 from probes.analysis.naming import head_name
+from probes.analysis.plots import layer_ticks
 from probes.maps import MapEngine
 from probes.model.families import is_byte_level
 from probes.stats import LN2, js_divergence_matrix
@@ -108,7 +109,7 @@ def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
     fig, ax = plt.subplots(figsize=(7, 6))
     if colour_by == "layer":
         sc = ax.scatter(emb.x, emb.y, c=emb.layer + 1, cmap="viridis", s=30)
-        fig.colorbar(sc, ax=ax, label="layer")
+        layer_ticks(fig.colorbar(sc, ax=ax, label="layer").ax, 1, int(emb.layer.max()) + 1, axis="y")
     else:
         for b, g in emb.groupby(colour_by, sort=True):
             ax.scatter(g.x, g.y, s=30, label=f"{b} ({len(g)})", color=BEHAVIOUR_COLOURS.get(b))
@@ -151,7 +152,7 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     sentences = ctx.sentences(split, max_sentences)
     total = torch.zeros(K, K, dtype=torch.float64)  # (K, K) JS divergences in nats, summed over tokens
     stats_acc = HeadStatsAccumulator(is_causal(enc))
-    n_tokens = n_used = 0
+    n_tokens, read = 0, []
     encoded, members = encode_inputs(enc.tokenizer, sentences, pairs)
     first = first_token_name(enc.tokenizer, encoded, stats_acc.causal)  # cls | bos | first
     maps = sequence_attention(enc, encoded, device=ctx.device, max_tokens=max_tokens, max_batch_size=max_batch_size,
@@ -162,7 +163,9 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
         total += js_divergence_matrix(smooth(attn.reshape(K, T, T), smoothing)).cpu() * LN2
         stats_acc.add(attn, punct, sep)
         n_tokens += T
-        n_used += len(members[i])
+        read.append(i)
+    read_set = set(read)  # the sequences not read were longer than the encoder's (or the measure's) limit
+    counts = SentenceCounts.of(len(sentences), members, [k for k in range(len(encoded)) if k not in read_set], read)
     dist = total.numpy()
     la, ha = np.divmod(np.arange(K), H)
     js = pd.DataFrame(dict(layer_a=np.repeat(la, K), head_a=np.repeat(ha, K), layer_b=np.tile(la, K),
@@ -191,8 +194,7 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     ctx.log_summary(dict(
         analysis="clustering", split=split, encoder=enc.name, maps=kind, level="wordpiece", js_unit="nats",
         input="pair" if pairs else "single", causal=stats_acc.causal, first_token=first, smoothing=smoothing,
-        n_sequences=stats_acc.n,
-        n_skipped=len(encoded) - stats_acc.n, n_sentences=n_used, n_input_sentences=len(sentences),
+        **counts.summary(pairs, max_sentences, enc.max_length),
         n_tokens=n_tokens, mds_stress=stress,
         mds_stress1=kruskal_stress(dist, coords),
         mean_js_per_token_same_layer=float(dist[same & off_diag].mean() / max(n_tokens, 1)) if L * H > L else None,

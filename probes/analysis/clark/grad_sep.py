@@ -73,6 +73,7 @@ from hydra.utils import instantiate
 from tqdm import tqdm
 
 from probes.analysis.clark.metrics import is_causal, is_period_comma, piece_strings
+from probes.analysis.plots import layer_ticks
 from probes.data.glue import read_glue
 from probes.model import hooks
 from probes.model.families import is_byte_level, usable_max_length
@@ -536,7 +537,7 @@ def figure(df: pd.DataFrame):
             ax.plot(d.layer + 1, d.value, marker="o", label=label)
         ax.set_xlabel("layer")
         ax.set_ylabel(ylabel)
-        ax.set_xticks(sorted(df.layer.unique() + 1))
+        layer_ticks(ax, int(df.layer.min()) + 1, int(df.layer.max()) + 1)
         if stat == "mean":
             ax.axhline(0, color="grey", lw=0.6)
         ax.legend(fontsize=8)

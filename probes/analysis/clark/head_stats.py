@@ -6,8 +6,10 @@ e.g. ``<s> A </s></s> B </s>``; :func:`probes.model.inputs.encode_word_pairs`; p
 ... of each document, a document's odd last sentence is left out), so that attention from [SEP] to
 [SEP] and from the other tokens to [SEP] can be told apart (Fig 2's middle panel); ``pairs: false``
 reads each sentence alone as ``[CLS] s [SEP]``. [CLS] / [SEP] stand for the family's first special
-token and its separators. Sequences longer than ``encoder.max_length`` pieces are skipped (counted in
-the log and in ``summary.json``). For every head (0-based ``layer``, ``head`` in files; 1-based
+token and its separators. Sequences longer than ``encoder.max_length`` pieces are skipped. ``summary.json``
+accounts for every input sentence (:class:`SentenceCounts`): ``n_input_sentences = n_sentences +
+n_unpaired + n_skipped_sentences`` (read; without a pair partner; in a skipped sequence), with the reasons
+under ``sentences_left_out``. For every head (0-based ``layer``, ``head`` in files; 1-based
 ``layer-head`` in figures), averaged over the attending tokens of a sequence and then over sequences,
 as Clark's ``General_Analysis.ipynb`` (:func:`probes.analysis.clark.metrics.sentence_head_stats`):
 
@@ -27,7 +29,11 @@ earlier tokens only): position 0 takes the place of [CLS]. Its column is named f
 when they start with the first word (SmolLM2's GGUF tokenizer and GPT-2 add none); ``bos_entropy`` /
 ``first_entropy`` are left out (row 0 sees only itself: entropy 0), ``next`` too (a causal row never
 sees the next token: 0 by construction), and the separator columns when no sequence holds a separator
-(a decoder's tokenizer adds none at the end). ``uniform_entropy`` is then the mean over rows of
+(a decoder's tokenizer adds none at the end). A decoder has no [SEP]: its pair input is ``[BOS] A <sep> B``
+with one separator token between the sentences (its EOS, or its SEP token where it has one:
+:func:`probes.model.inputs.pair_separator`), which the separator columns then measure; the figures name that
+token in place of [SEP] and say so in a note, and ``summary.json`` gives it (``separator_token``). Rows
+before it cannot see it (they count 0). ``uniform_entropy`` is then the mean over rows of
 log(i + 1), the entropy of uniform attention over the i + 1 keys row i sees. The sink of decoders
 ("attention sink", Xiao et al. 2023) is the ``first``/``bos`` column; ``summary.json`` names the
 column (``first_token``) and gives its mean per layer (``per_layer_mean``).
@@ -41,6 +47,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -52,7 +59,7 @@ from probes.analysis.naming import head_name
 from probes.maps import MapEngine
 from probes.measures.attention import Attention
 from probes.model.families import is_byte_level
-from probes.model.inputs import Encoded, encode_word_pairs, encode_words
+from probes.model.inputs import Encoded, encode_word_pairs, encode_words, pair_separator
 
 log = logging.getLogger(__name__)
 
@@ -149,33 +156,96 @@ def output_stats(stats: dict[str, np.ndarray], first: str, causal: bool, has_sep
     return out
 
 
+@dataclass(frozen=True)
+class SentenceCounts:
+    """Where every input sentence went (``summary.json``):
+    ``n_input_sentences = n_sentences + n_unpaired + n_skipped_sentences``."""
+
+    n_input_sentences: int      # the sentences given: the first max_sentences of the split
+    n_sentences: int            # in the sequences read
+    n_unpaired: int             # pairs: without a partner, a document's odd last sentence (single input: 0)
+    n_skipped_sentences: int    # in the sequences longer than encoder.max_length pieces
+    n_sequences: int            # sequences read (pairs, or single sentences)
+    n_skipped: int              # sequences longer than encoder.max_length pieces, not read
+
+    @classmethod
+    def of(cls, n_input: int, members: Sequence[tuple[int, ...]], too_long: Sequence[int], read: Sequence[int]
+           ) -> SentenceCounts:
+        """The counts of ``n_input`` sentences encoded as sequences of ``members`` (the sentence indices of each,
+        :func:`encode_inputs`), of which the indices ``too_long`` were skipped and ``read`` were read; a sentence
+        or sequence that none of these accounts for is an error."""
+        used = [i for m in members for i in m]
+        if len(set(used)) != len(used) or not set(used) <= set(range(n_input)):
+            raise RuntimeError(f"head_stats: the sequences' sentences {used} are not distinct sentences of "
+                               f"0..{n_input - 1}")
+        if sorted([*too_long, *read]) != list(range(len(members))):
+            raise RuntimeError(f"head_stats: of {len(members)} sequences, {len(read)} were read and {len(too_long)} "
+                               f"skipped as too long; the rest are unaccounted for")
+        return cls(n_input_sentences=n_input, n_sentences=sum(len(members[k]) for k in read),
+                   n_unpaired=n_input - len(used), n_skipped_sentences=sum(len(members[k]) for k in too_long),
+                   n_sequences=len(read), n_skipped=len(too_long))
+
+    def summary(self, pairs: bool, max_sentences: int | None, max_length: int) -> dict:
+        """The ``summary.json`` entries: the counts and, under ``sentences_left_out``, why sentences were left out
+        (``pairs``, ``max_sentences``: the analysis's keys; ``max_length``: the encoder's)."""
+        cut = f" (among the first {max_sentences}: a document cut there may end early)" if max_sentences else ""
+        unpaired = ("pair input joins the sentences (1, 2), (3, 4), ... of each document; a document's odd last "
+                    f"sentence has no partner{cut}") if pairs else "none: single input reads every sentence alone"
+        return dict(vars(self), sentences_left_out=dict(
+            n_unpaired=unpaired,
+            n_skipped_sentences=f"in the n_skipped sequences longer than encoder.max_length = {max_length} pieces"))
+
+
 def compute(encoder, sentences, device: str = "cpu", pairs: bool = True, **batching
             ) -> tuple[HeadStatsAccumulator, int, int]:
     """(:class:`HeadStatsAccumulator` over the sequences that fit, their number of sentences, the number
     of sequences) of the treebank ``Sentence`` objects (:func:`encode_inputs`)."""
-    acc, n_sentences, n_sequences, _ = _compute(encoder, sentences, device, pairs, **batching)
-    return acc, n_sentences, n_sequences
+    acc, n_sentences, counts, _ = _compute(encoder, sentences, device, pairs, **batching)
+    return acc, n_sentences, counts.n_sequences + counts.n_skipped
 
 
-def _compute(encoder, sentences, device: str, pairs: bool, **batching):
-    """:func:`compute` plus (first-token column name, whether any sequence holds a separator)."""
+def _compute(encoder, sentences, device: str, pairs: bool, **batching
+             ) -> tuple[HeadStatsAccumulator, int, SentenceCounts, tuple[str, bool]]:
+    """(accumulator, sentences read, their :class:`SentenceCounts`, (first-token column name, whether any sequence
+    holds a separator)) of :func:`compute`."""
     causal = is_causal(encoder)
     encoded, members = encode_inputs(encoder.tokenizer, sentences, pairs)
-    acc, n_sentences, any_sep = HeadStatsAccumulator(causal), 0, False
+    too_long = [k for k, e in enumerate(encoded) if e.n_pieces > encoder.max_length]  # sequence_attention skips them
+    acc, read, any_sep = HeadStatsAccumulator(causal), [], False
     for i, attn, punct, sep in sequence_attention(encoder, encoded, device=device, desc="head_stats", **batching):
         acc.add(attn, punct, sep)
         any_sep = any_sep or any(sep)
-        n_sentences += len(members[i])
-    return acc, n_sentences, len(encoded), (first_token_name(encoder.tokenizer, encoded, causal), any_sep)
+        read.append(i)
+    counts = SentenceCounts.of(len(sentences), members, too_long, read)
+    return acc, counts.n_sentences, counts, (first_token_name(encoder.tokenizer, encoded, causal), any_sep)
 
 
 FIRST_TITLES = {"first": "to the first token", "bos": "to BOS"}
 
 
-def titles() -> dict[str, str]:
-    """Panel titles of the statistics (the plots' defaults plus Fig 2's [SEP] panel and decoders' first token)."""
-    return {**plots.STAT_TITLES, "sep": "to [SEP] (all separators)", "sep_sep": "[SEP] -> [SEP]",
-            "rest_sep": "other -> [SEP]", "punct": "to . or ,", **FIRST_TITLES}
+def separator_token(tokenizer, causal: bool) -> str:
+    """The separator token the ``sep`` columns measure: [SEP] / ``</s>`` of an encoder's pair template; a decoder's
+    one token between the sentences of a pair (:func:`probes.model.inputs.pair_separator`: its EOS, or its SEP)."""
+    sep = pair_separator(tokenizer) if causal else None
+    return tokenizer.convert_ids_to_tokens(sep[0]) if sep else str(tokenizer.sep_token)
+
+
+def titles(separator: str | None = None) -> dict[str, str]:
+    """Panel titles of the statistics (the plots' defaults plus Fig 2's [SEP] panel and decoders' first token);
+    ``separator``: a decoder's separator token, named in place of [SEP]."""
+    if separator is None:
+        sep = dict(sep="to [SEP] (all separators)", sep_sep="[SEP] -> [SEP]", rest_sep="other -> [SEP]")
+    else:
+        sep = dict(sep=f"to {separator} (between A and B)", sep_sep=f"{separator} -> {separator}",
+                   rest_sep=f"other -> {separator}")
+    return {**plots.STAT_TITLES, **sep, "punct": "to . or ,", **FIRST_TITLES}
+
+
+def separator_note(name: str, separator: str, first: str) -> str:
+    """The figures' note for a decoder's pair input: what its separator panels show instead of [SEP]."""
+    form = f"{'BOS ' if first == 'bos' else ''}A {separator} B"
+    return (f"{name} is a decoder, without [SEP]: pair input is \"{form}\"; the separator panels show attention "
+            f"to {separator}, the one token put between the two sentences (rows before it cannot see it: 0)")
 
 
 def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
@@ -185,15 +255,18 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     ``max_sentences``: the first N sentences of the split (file order), paired when ``pairs``."""
     t0 = time.time()
     sentences = ctx.sentences(split, max_sentences)
-    acc, n_sentences, n_sequences, (first, has_sep) = _compute(
-        ctx.encoder, sentences, ctx.device, pairs, max_tokens=max_tokens, max_batch_size=max_batch_size)
+    acc, _, counts, (first, has_sep) = _compute(ctx.encoder, sentences, ctx.device, pairs, max_tokens=max_tokens,
+                                                max_batch_size=max_batch_size)
     stats = output_stats(acc.result(), first, acc.causal, has_sep)
     df = stats_table(stats, acc.uniform_entropy)
     ctx.save_table(df, "head_stats")
     layer_df = by_layer(df[df.stat != "uniform_entropy"])
     ctx.save_table(layer_df, "head_stats_by_layer")
 
-    ctx.save_figure(plots.heatmaps(stats, titles=titles()), "head_stats_heatmaps")
+    separator = separator_token(ctx.encoder.tokenizer, acc.causal) if has_sep else None
+    decoder_sep = separator if acc.causal else None  # a decoder's separator is named in place of [SEP]
+    note = separator_note(ctx.encoder.name, separator, first) if decoder_sep else None
+    ctx.save_figure(plots.heatmaps(stats, titles=titles(decoder_sep), note=note), "head_stats_heatmaps")
     groups = [[first, "sep", "punct"], ["rest_sep", "sep_sep"], ["prev", "self", "next"],
               ["entropy", f"{first}_entropy"]]
     groups = [[k for k in g if k in stats] for g in groups]
@@ -201,7 +274,8 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     ylabels = ["avg. attention", "avg. attention", "avg. attention", "avg. entropy (nats)"]
     hlines = [None, None, None, {"uniform": acc.uniform_entropy}]
     ctx.save_figure(plots.layer_curves(stats, groups=[groups[i] for i in keep], ylabels=[ylabels[i] for i in keep],
-                                       hlines=[hlines[i] for i in keep], titles=titles()), "head_stats_layers")
+                                       hlines=[hlines[i] for i in keep], titles=titles(decoder_sep), note=note),
+                    "head_stats_layers")
 
     top = {}
     for k, v in stats.items():
@@ -210,9 +284,11 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     per_layer = {k: [float(x) for x in v.mean(1)] for k, v in stats.items()}
     ctx.log_summary(dict(analysis="head_stats", split=split, encoder=ctx.encoder.name,
                          input="pair" if pairs else "single", causal=acc.causal, first_token=first,
-                         n_sequences=acc.n,
-                         n_skipped=n_sequences - acc.n, n_sentences=n_sentences,
-                         n_input_sentences=len(sentences), uniform_entropy=acc.uniform_entropy,
+                         separator_token=separator, separator_note=note,
+                         **counts.summary(pairs, max_sentences, ctx.encoder.max_length),
+                         uniform_entropy=acc.uniform_entropy,
                          per_layer_mean=per_layer, top_heads=top, seconds=round(time.time() - t0, 1)))
-    log.info("head_stats: %d sequences (%d sentences) in %.1fs", acc.n, n_sentences, time.time() - t0)
+    log.info("head_stats: %d of %d input sentences in %d sequences (%d unpaired, %d in %d sequences too long) "
+             "in %.1fs", counts.n_sentences, counts.n_input_sentences, counts.n_sequences, counts.n_unpaired,
+             counts.n_skipped_sentences, counts.n_skipped, time.time() - t0)
     return df

@@ -125,7 +125,7 @@ def layer_bars(df: pd.DataFrame, metric: str, task: str):
     colors = ["tab:red" if v < 0 else "tab:blue" for v in d.delta]
     ax.bar(d.layer + 1, 100 * d.delta, color=colors)
     ax.axhline(0, color="k", lw=0.6)
-    ax.set_xticks(d.layer + 1)
+    plots.layer_ticks(ax, int(d.layer.min()) + 1, int(d.layer.max()) + 1)
     ax.set_xlabel("disabled layer")
     ax.set_ylabel(f"change in dev {metric} (x100)")
     ax.set_title(f"{task}: whole layer disabled (baseline {100 * base:.1f})", fontsize=9)

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from probes.analysis.kovaleva.common import glue_batches, load_checkpoint
 from probes.analysis.kovaleva.finetune_cosine import attention_cosine
+from probes.analysis.plots import layer_ticks
 from probes.model.layers import parameter_layers
 from probes.glue.export import EXPORT_INFO, hf_folder
 
@@ -103,7 +104,7 @@ def profile_figure(df: pd.DataFrame):
                 axes[i, j].plot(t.layer, t[col], "o-", color=c, label=f"decay {d:g} ({what})")
         axes[0, j].set_title(task, fontsize=10)
         axes[-1, j].set_xlabel("layer (1-based)")
-        axes[-1, j].set_xticks(sorted(set(blocks.layer)))
+        layer_ticks(axes[-1, j], int(blocks.layer.min()), int(blocks.layer.max()))
     for i, (_, label) in enumerate(rows):
         axes[i, 0].set_ylabel(label, fontsize=9)
         for ax in axes[i]:

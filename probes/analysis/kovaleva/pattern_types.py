@@ -53,6 +53,7 @@ from scipy.optimize import nnls
 
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.naming import head_name
+from probes.analysis.plots import layer_ticks
 from probes.config import plain
 from probes.data.glue import read_glue, task_spec
 from probes.extract.cache import cache_key_hash
@@ -267,9 +268,10 @@ def stacked_bars(df: pd.DataFrame, classes, by_layer: bool = False):
         bottom = np.zeros(len(layers))
         for p in classes:
             v = np.array([d[(d.layer == l) & (d.pattern == p)].share.sum() for l in layers])
-            ax.bar(range(len(layers)), 100 * v, bottom=100 * bottom, label=p, color=COLORS.get(p))
+            ax.bar([l + 1 for l in layers], 100 * v, bottom=100 * bottom, label=p, color=COLORS.get(p))
             bottom += v
-        ax.set_xticks(range(len(layers)), [str(l + 1) for l in layers], fontsize=7)
+        if layers:
+            layer_ticks(ax, int(layers[0]) + 1, int(layers[-1]) + 1, fontsize=7)
         ax.set_xlabel("layer")
         ax.set_title(f"{t} ({m})", fontsize=8)
     axes[0][0].set_ylabel("share of maps (%)")
@@ -445,14 +447,10 @@ def tables(result: PatternTypesResult) -> PatternTypesTables:
 
 
 def save(ctx, result: PatternTypesResult, frames: PatternTypesTables, started: float) -> None:
-    """Write the tables, the figures and summary.json into ``ctx.output_dir``.
-
-    Args:
-        ctx: The analysis context.
-        result: What :func:`compute` returned.
-        frames: What :func:`tables` made of it.
-        started: ``time.time()`` at the start of the run (the summary's seconds).
-    """
+    """Stage 3, :class:`probes.analysis.stages.Save` (arguments and contract there): ``pattern_types``,
+    ``pattern_types_shift``, ``pattern_types_by_layer``, ``pattern_types_by_head`` .csv; ``pattern_types.png``
+    (corrected shares), ``pattern_types_raw.png``, ``pattern_types_by_layer.png``; the summary holds the
+    shifts and per (task, model) the shares and the corrected ones."""
     st, classes = result.settings, result.classes
     ctx.save_table(frames.overall, "pattern_types")
     ctx.save_table(frames.shift, "pattern_types_shift")

@@ -81,7 +81,7 @@ import torch
 from captum.attr import InputXGradient, IntegratedGradients
 from tqdm import tqdm
 
-from probes.analysis.plots import layer_head_figure
+from probes.analysis.plots import layer_head_figure, layer_ticks
 from probes.stats import js_divergence, spearman_rows, top1_agreement
 from probes.analysis.tables import layer_head_frame
 from probes.measures.gradflow import (attribution_distribution, head_attribution_gflops, head_attributions,
@@ -195,6 +195,7 @@ def figure_layers(layers: pd.DataFrame):
         for (kind, m), g in layers.groupby(["kind", "method"], sort=False):
             ax.plot(g.layer + 1, g[col], marker="o", label=f"{kind} vs {m}")
         ax.set_xlabel("layer")
+        layer_ticks(ax, int(layers.layer.min()) + 1, int(layers.layer.max()) + 1)
         ax.set_title(f"{lab}: map vs attribution", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -224,6 +225,7 @@ def figure_patterns(pat: pd.DataFrame):
             bottom += p[name].to_numpy()
         ax.set_title(f"argmax of {src}", fontsize=9)
         ax.set_xlabel("layer")
+        layer_ticks(ax, int(p.index.min()) + 1, int(p.index.max()) + 1)
     axes[0].set_ylabel("share of positions")
     axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
@@ -448,14 +450,10 @@ def summary(ctx, result: AttributionResult, frames: AttributionTables) -> dict:
 
 
 def save(ctx, result: AttributionResult, frames: AttributionTables, started: float) -> None:
-    """Write the tables, the figures and summary.json into ``ctx.output_dir``.
-
-    Args:
-        ctx: The analysis context.
-        result: What :func:`compute` returned.
-        frames: What :func:`tables` made of it.
-        started: ``time.time()`` at the start of the run (the summary's seconds).
-    """
+    """Stage 3, :class:`probes.analysis.stages.Save` (arguments and contract there): ``attribution_heads``,
+    ``attribution_layers``, ``attribution_patterns`` .csv (``attribution_captum_check.csv`` when Captum was
+    compared) and .png (the heads' figure only when some kind has per-head maps); the summary is
+    :func:`summary`."""
     ctx.save_table(frames.heads, "attribution_heads")
     ctx.save_table(frames.layers, "attribution_layers")
     ctx.save_table(frames.patterns, "attribution_patterns")

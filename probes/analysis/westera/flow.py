@@ -50,6 +50,7 @@ import torch
 from scipy.stats import pearsonr
 from tqdm import tqdm
 
+from probes.analysis.plots import layer_ticks
 from probes.measures.gradflow import gradient_flow
 from probes.model.inputs import encode_words, pooling_matrix
 from probes.stats import spearman_rows, spearman_test
@@ -151,6 +152,8 @@ def curve_figure(corr: pd.DataFrame):
             ax.plot(g.layer + 1, g.rho, marker="o", label=f"{'G*' if m == 'Gstar' else m} vs A")
         ax.axhline(0.41, ls=":", c="grey", lw=1, label="Westera G vs A (.41)")
         ax.set_xlabel("layer")
+        if len(c):
+            layer_ticks(ax, int(c.layer.min()) + 1, int(c.layer.max()) + 1)
         ax.set_title(f"pairs: {pairs}", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("Spearman rho")
@@ -171,7 +174,7 @@ def scatter_figure(df: pd.DataFrame, max_points: int = 5000, seed: int = 0):
     ax.set_yscale("log")
     ax.set_xlabel("A (head-mean attention t2 -> t1)")
     ax.set_ylabel("G = ||d sum h_n(t2) / d h_{n-1}(t1)||")
-    fig.colorbar(sc, ax=ax, label="layer")
+    layer_ticks(fig.colorbar(sc, ax=ax, label="layer").ax, 1, L, axis="y")
     ax.set_title(f"{len(d)} word pairs (no [CLS]/[SEP])", fontsize=9)
     fig.tight_layout()
     return fig

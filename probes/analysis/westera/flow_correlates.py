@@ -53,6 +53,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from probes.analysis.plots import layer_ticks
 from probes.analysis.westera.original import (CLOSED_TAGS, NOUN_XPOS, OPEN_TAGS, POS_GROUPS, PRON_XPOS, class_balances,
                                               coref_items, coref_tests, group_tests, pair_mean, pearson_spearman,
                                               word_positions)
@@ -154,6 +155,8 @@ def effect_figure(eff: pd.DataFrame, transform: str = "log"):
         for z in (-1.96, 1.96):
             ax.axhline(z, c="grey", lw=0.8, ls=":")
         ax.set_xlabel("layer")
+        if len(e):
+            layer_ticks(ax, int(e.layer.min()) + 1, int(e.layer.max()) + 1)
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"z of indicator ({transform} measure, cluster-robust)")
@@ -319,11 +322,14 @@ def _westera_figure(tests: pd.DataFrame, ctt: pd.DataFrame):
         for m, g in c.groupby("measure"):
             axes[1].plot(g.layer + 1, g.t, marker="o", label="G*" if m == "Gstar" else m)
     axes[1].set_title("noun -> pronoun: coref vs not (Welch t)", fontsize=9)
+    layers = tests.layer[tests.layer >= 0]
     for ax in axes:
         ax.axhline(0, c="grey", lw=0.8)
         for z in (-1.96, 1.96):
             ax.axhline(z, c="grey", lw=0.8, ls=":")
         ax.set_xlabel("layer")
+        if len(layers):
+            layer_ticks(ax, int(layers.min()) + 1, int(layers.max()) + 1)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("t")
     if axes[0].get_legend_handles_labels()[0]:

@@ -1,0 +1,248 @@
+"""Stage 1 of :mod:`probes.analysis.kovaleva.linguistic_attention`: the scores of one example, their
+accumulation over examples, the pre-trained vs fine-tuned change and :func:`compute` (no file written)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
+from probes.analysis.kovaleva.linguistic_attention.examples import (ExampleSelection, LabelledExample,
+                                                                    glue_items, load_spacy, treebank_items)
+from probes.analysis.kovaleva.linguistic_attention.rules import KindRules, feature_groups, relation_pairs
+from probes.data.glue import read_glue, task_spec
+from probes.maps import MapEngine
+from probes.measures.attention import Attention
+from probes.model.families import usable_max_length
+from probes.stats import resamples
+
+log = logging.getLogger(__name__)
+
+
+def example_scores(attn: np.ndarray, groups: Mapping[str, list[list[int]]],
+                   piece_pooling: str = "max") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """kind -> ((L, H) received attention, (L, H) attention from [CLS]) for one example; kinds without a
+    qualifying token are absent. ``attn``: (L, H, T, T), rows = from."""
+    if piece_pooling not in ("sum", "max"):
+        raise ValueError(f"piece_pooling must be sum or max, got {piece_pooling!r}")
+    T = attn.shape[-1]
+    received = attn.sum(axis=2) / T        # (L, H, T): (1/T) sum_i A[i, j]
+    from_cls = attn[:, :, 0, :]             # (L, H, T)
+    pool = np.sum if piece_pooling == "sum" else np.max
+    out = {}
+    for name, gs in groups.items():
+        if not gs:
+            continue
+        r = np.stack([pool(received[..., g], axis=-1) for g in gs], -1).max(-1)  # (L, H)
+        c = np.stack([pool(from_cls[..., g], axis=-1) for g in gs], -1).max(-1)  # (L, H)
+        out[name] = (r, c)
+    return out
+
+
+def pair_scores(attn: np.ndarray, pairs: Sequence[tuple[list[int], list[int]]]) -> np.ndarray | None:
+    """(L, H) largest A[i, j], i a source piece and j a target piece of one pair, over all pairs; None if
+    there is none. ``attn``: (L, H, T, T)."""
+    if not pairs:
+        return None
+    return np.stack([attn[:, :, s][:, :, :, t].reshape(*attn.shape[:2], -1).max(-1) for s, t in pairs], -1).max(-1)
+
+
+class FeatureAccumulator:
+    """Per kind, the (L, H) scores of every counted example (``missing``: zero -> an example without the
+    kind counts 0; skip -> it is left out); [CLS]-row scores only over examples that have the kind."""
+
+    def __init__(self, features: Sequence[str], missing: Mapping[str, str] | str = "skip"):
+        self.features = list(features)
+        self.missing = {f: (missing if isinstance(missing, str) else missing.get(f, "skip")) for f in self.features}
+        for f, m in self.missing.items():
+            if m not in ("zero", "skip"):
+                raise ValueError(f"missing must be 'zero' or 'skip' (kind {f}), got {m!r}")
+        self.scores: dict[str, list[np.ndarray]] = {f: [] for f in self.features}   # each (L, H)
+        self.index: dict[str, list[int]] = {f: [] for f in self.features}
+        self.cls_scores: dict[str, list[np.ndarray]] = {f: [] for f in self.features}
+        self.n_examples = 0
+        self.shape = None
+
+    def add(self, scores: Mapping[str, tuple[np.ndarray, np.ndarray] | np.ndarray | None], index: int | None = None
+            ) -> None:
+        """One example's scores: kind -> ((L, H) received, (L, H) from [CLS]) or (L, H) or None (absent)."""
+        k = self.n_examples if index is None else index
+        self.n_examples += 1
+        for f in self.features:
+            s = scores.get(f)
+            r, c = (s if isinstance(s, tuple) else (s, None)) if s is not None else (None, None)
+            if r is not None:
+                self.shape = r.shape
+                self.scores[f].append(np.asarray(r, dtype=np.float64))
+                self.index[f].append(k)
+                if c is not None:
+                    self.cls_scores[f].append(np.asarray(c, dtype=np.float64))
+            elif self.missing[f] == "zero":
+                self.scores[f].append(None)   # filled with zeros once the shape is known
+                self.index[f].append(k)
+
+    @property
+    def count(self) -> dict[str, int]:
+        """kind -> number of examples counted in its mean."""
+        return {f: len(self.scores[f]) for f in self.features}
+
+    def per_example(self, f: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """((N_f, L, H) scores, (N_f,) example indices) of kind ``f``, or None when no example counts."""
+        if not self.scores[f] or self.shape is None:
+            return None
+        s = np.stack([np.zeros(self.shape) if v is None else v for v in self.scores[f]])
+        return s, np.asarray(self.index[f])
+
+    def mean(self, f: str) -> np.ndarray | None:
+        """(L, H) mean over the counted examples, or None when none counts."""
+        pe = self.per_example(f)
+        return None if pe is None else pe[0].mean(0)
+
+    def cls_mean(self, f: str) -> np.ndarray | None:
+        """(L, H) mean [CLS]-row score over the examples that have kind ``f``, or None."""
+        return np.mean(self.cls_scores[f], axis=0) if self.cls_scores[f] else None
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of mean(b - a) over examples resampled with replacement (a, b: (N,) paired)."""
+    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)  # (N,)
+    if len(d) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = np.concatenate([d[idx].mean(1) for idx in resamples(len(d), n_boot, rng, n_boot)])  # (n_boot,)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+@dataclass
+class ModelScores:
+    """The scores of one model on one source's examples."""
+
+    source: str                     # glue:<TASK> | treebank:<name>
+    model: str                      # pre-trained | fine-tuned
+    kinds: FeatureAccumulator       # received attention and [CLS] row per kind
+    relations: FeatureAccumulator   # token-to-token per relation
+    n_skipped: int                  # examples outside the length range
+    checkpoint: str | None          # the fine-tuned model's path
+
+    def kind_means(self) -> dict[str, np.ndarray]:
+        """kind -> (L, H) mean received attention, for the kinds some example counts."""
+        means = {f: self.kinds.mean(f) for f in self.kinds.features}
+        return {f: m for f, m in means.items() if m is not None}
+
+    def relation_means(self) -> dict[str, np.ndarray]:
+        """relation -> (L, H) mean token-to-token attention, for the relations some example counts."""
+        means = {r: self.relations.mean(r) for r in self.relations.features}
+        return {r: m for r, m in means.items() if m is not None}
+
+    def n_with_pair(self) -> dict[str, int]:
+        """relation -> number of examples with a linked pair."""
+        return {r: sum(v is not None for v in self.relations.scores[r]) for r in self.relations.features}
+
+
+@dataclass
+class LinguisticResult:
+    """What :func:`compute` returns: the scores of every (source, model) and the change rows."""
+
+    selection: ExampleSelection
+    rules: KindRules
+    sources: list[str]              # the source labels, in order
+    runs: list[ModelScores]         # per source, the pre-trained model then the fine-tuned one
+    changes: list[dict]             # linguistic_change rows (pre-trained vs fine-tuned)
+
+
+def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, max_tokens: int, desc: str
+             ) -> tuple[FeatureAccumulator, FeatureAccumulator]:
+    """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations."""
+    acc = FeatureAccumulator(rules.names, rules.missing)
+    racc = FeatureAccumulator(list(rules.relations), rules.relation_missing)
+    engine = MapEngine(model, Attention(), tokenizer=tok, device=ctx.device, max_tokens=max_tokens,
+                       max_batch_size=64, max_pairs=None)
+    for k, attn in engine.iter_piece_maps([it.encoded for it in items], desc=desc):
+        it = items[k]
+        a = attn.cpu().numpy()  # (L, H, T, T)
+        groups = feature_groups(it.input_ids, it.word_of_piece, it.words, rules.features, tok.cls_token_id,
+                                tok.sep_token_id)
+        acc.add(example_scores(a, groups, rules.piece_pooling), index=k)
+        racc.add({r: pair_scores(a, relation_pairs(it.word_of_piece, it.words, rel))
+                  for r, rel in rules.relations.items()}, index=k)
+    return acc, racc
+
+
+def _changes(source: str, pre: ModelScores, ft: ModelScores, rules: KindRules, n_boot: int, seed: int
+             ) -> list[dict]:
+    """linguistic_change rows of one source: per kind and relation, the fine-tuned minus pre-trained mean
+    (all heads, last layer) with its paired bootstrap interval over the examples both models counted."""
+    rows = []
+    for kind_names, which in ((rules.names, 0), (list(rules.relations), 1)):
+        for f in kind_names:
+            a_acc, b_acc = (pre.relations, ft.relations) if which else (pre.kinds, ft.kinds)
+            pe_a, pe_b = a_acc.per_example(f), b_acc.per_example(f)  # ((N, L, H), (N,)) each
+            if pe_a is None or pe_b is None:
+                continue
+            if not np.array_equal(pe_a[1], pe_b[1]):
+                raise RuntimeError(f"{source} {f}: the two models counted different examples")
+            for stat, sl in (("all_heads", slice(None)), ("last_layer", slice(-1, None))):
+                a, b = pe_a[0][:, sl].mean((1, 2)), pe_b[0][:, sl].mean((1, 2))  # (N,)
+                lo, hi = paired_bootstrap(a, b, n_boot, seed)
+                rows.append(dict(source=source, kind=f, type="relation" if which else "feature", statistic=stat,
+                                 pretrained=float(a.mean()), finetuned=float(b.mean()),
+                                 diff=float(b.mean() - a.mean()), lo=lo, hi=hi, change=bool(lo > 0 or hi < 0),
+                                 n_examples=len(a)))
+    return rows
+
+
+def compute(ctx, selection: ExampleSelection, rules: KindRules, *, checkpoint=None, n_boot: int = 1000,
+            seed: int = 0, max_tokens: int = 4096) -> LinguisticResult:
+    """Scores of every source and model (no files written).
+
+    Args:
+        ctx: The analysis context (encoder, data, device).
+        selection: Which examples of which source.
+        rules: The kinds and relations scored, and how.
+        checkpoint: Optional fine-tuned GLUE model (path, or {task: path} picked by task).
+        n_boot: Paired bootstrap replicates of the pre-trained vs fine-tuned change.
+        seed: Seed of the bootstrap.
+        max_tokens: Pieces per forward batch.
+
+    Returns:
+        The accumulators of every (source, model) and the change rows.
+    """
+    if selection.source == "treebank":
+        sources = [(f"treebank:{selection.treebank_name}", None)]
+        sentences = ctx.sentences(selection.split, selection.max_examples)
+    else:
+        nlp = load_spacy(selection.spacy_model)
+        sources = [(f"glue:{task_spec(t).name}", task_spec(t).name) for t in selection.tasks]
+    runs, changes = [], []
+    for label, tname in sources:
+        # treebank: one path, or the entry of the first task in a {task: path} mapping
+        tuned = checkpoint_for(checkpoint, tname or selection.tasks[0])
+        if tname:
+            examples = read_glue(tname, selection.split, ctx.data_dir)
+        models = variants(ctx, tuned, tname)  # the fine-tuned model has the encoder's vocabulary (checked)
+        tok = ctx.encoder.tokenizer
+        if tname is None:
+            items = treebank_items(tok, sentences)
+            limit = selection.max_length or usable_max_length(ctx.encoder.model.config)
+            skipped = sum(1 for it in items if not (selection.min_length <= it.n <= limit))
+            items = [it for it in items if selection.min_length <= it.n <= limit]
+        else:
+            items, skipped = glue_items(tok, examples, nlp, selection.min_length, selection.max_length,
+                                        selection.max_examples)
+        by_model = {}
+        for variant, (model, tok) in models.items():
+            acc, racc = _run_one(ctx, items, model, tok, rules, max_tokens, f"linguistic {label} {variant}")
+            for f in rules.names:
+                if acc.mean(f) is None:
+                    log.warning("linguistic_attention %s: no example has a token of kind %s", label, f)
+            by_model[variant] = ModelScores(label, variant, acc, racc, skipped,
+                                            tuned if variant == FINETUNED else None)
+            log.info("linguistic_attention %s %s: %d examples", label, variant, acc.n_examples)
+        runs += by_model.values()
+        if FINETUNED in by_model:
+            changes += _changes(label, by_model[PRETRAINED], by_model[FINETUNED], rules, n_boot, seed)
+    return LinguisticResult(selection, rules, [label for label, _ in sources], runs, changes)
