@@ -77,9 +77,9 @@ def test_records_are_complete(model):
 
 def test_cost_table_is_the_records():
     text = PAGE.read_text()
-    rows = re.findall(r"^\| (SmolLM2-135M|Gemma-3-270m) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
-    assert len(rows) == 6
-    model = {"SmolLM2-135M": "smollm2", "Gemma-3-270m": "gemma3_270m"}
+    rows = re.findall(r"^\| (SmolLM2-135M|Gemma-3-270m|Qwen2.5-Coder-1.5B) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
+    assert len(rows) == 8
+    model = {"SmolLM2-135M": "smollm2", "Gemma-3-270m": "gemma3_270m", "Qwen2.5-Coder-1.5B": "qwen2_5_coder_1_5b"}
     for name, pieces, seconds, rss in rows:
         texts = json.loads((RECORDS / model[name] / "summary.json").read_text())["texts"]
         (t,) = [t for t in texts.values() if t["n_pieces"] == int(pieces.replace(",", ""))]
