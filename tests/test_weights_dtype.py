@@ -89,7 +89,11 @@ def test_bf16_weights_under_bf16_mixed_equal_float32_weights_held_in_bf16(folder
     loaded = captured(load_encoder(str(folder), dtype="bfloat16"), "bf16-mixed")
     for a, b in zip(held, loaded):
         assert a.dtype == b.dtype == torch.bfloat16
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # equal to the last bit where bf16 is emulated (Zen 3); a CPU with native bf16 kernels (AVX512-BF16, AMX)
+        # accumulates the two in another order: there at most two bf16 steps apart (2^-7 relative each), on few
+        # entries (measured on a Zen 4: 0.3-1.6 % of them, by 2^-11 at most)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=1e-6)
+        assert (a != b).float().mean() < 0.05
 
 
 @pytest.mark.parametrize("bad", ["float64", "bf16", "half", 16])

@@ -36,6 +36,14 @@ OUT_OF_MEMORY = re.compile(r"can't allocate memory|not enough memory|out of memo
 # a block of q query rows holds about this many (B, H, q, T) float32 tensors at once: its scores and probabilities,
 # the mask rows, and the reducers' temporaries (measured: bench/long_context.py)
 BLOCK_COPIES = 4
+# at most this many query rows per block: a block computes the keys any of its rows may see, so smaller blocks skip
+# more of what causal and sliding-window rows cannot see (Gemma 3 at 2,041 pieces: one block of all rows 15.0 s,
+# blocks of 513 rows 8.8 s; bench/README.md); the budget may ask for fewer
+MAX_BLOCK_ROWS = 512
+# on a CPU, a block's (B, H, rows, T) float32 probabilities are kept near this many MiB, so that the passes over
+# them (mask, softmax, reducers) run in the caches (2-vCPU EPYC: SmolLM2 at 8,186 pieces in blocks of 56 rows,
+# 16 MiB, 194 s; of 512 rows 331 s; bench/README.md); a GPU takes the budget's blocks
+CPU_BLOCK_MIB = 16
 
 
 class MapMemoryError(MemoryError):
@@ -220,7 +228,8 @@ class MapEngine:
     def rows_per_block(self, B: int, T: int) -> int | None:
         """None where the whole maps of a (B, T) batch fit ``attention_budget_mb`` (the whole-map path); else the
         query rows per block that keep a block's tensors (:data:`BLOCK_COPIES` x B x H x rows x T float32) within
-        it (at least 1). A kind that needs whole maps is refused here (:class:`MapMemoryError`)."""
+        it, at least 1 and at most :data:`MAX_BLOCK_ROWS` (on a CPU also :data:`CPU_BLOCK_MIB` per tensor). A kind
+        that needs whole maps is refused here (:class:`MapMemoryError`)."""
         full = self.full_map_bytes(B, T)
         if full <= self.budget:
             return None
@@ -233,7 +242,11 @@ class MapEngine:
                 f"is there, use shorter sequences (extract.max_length) or fewer layers, or use kind=attention, which "
                 f"is computed in blocks")
         H = int(self.model.config.num_attention_heads)
-        return max(1, min(T, int(self.budget // (BLOCK_COPIES * B * H * T * FLOAT_BYTES))))
+        rows = int(self.budget // (BLOCK_COPIES * B * H * T * FLOAT_BYTES))
+        device = torch.device(self.device) if self.device is not None else input_device(self.model)
+        if device.type == "cpu":
+            rows = min(rows, CPU_BLOCK_MIB * MIB // (B * H * T * FLOAT_BYTES))
+        return max(1, min(T, MAX_BLOCK_ROWS, rows))
 
     def check_fits(self, reducer: Reducer, positions: Sequence[int], items: Sequence[Encoded], device: torch.device,
                    reduced: bool = True) -> None:
