@@ -178,8 +178,7 @@ def child(args) -> None:
     device = torch.device(args.device)
     text = json.loads(Path(args.text).read_text())
     anon = AnonPeak()
-    enc = load_model(args)
-    model = enc.model.to(device).eval()
+    enc = load_model(args)  # the weights load at enc.model, after the check below
     L, H, T = enc.num_layers, enc.num_heads, text["n_pieces"]
     layers = list(range(L)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     e = Encoded(text["ids"], text["word_of_piece"], text["n_words"])
@@ -195,6 +194,8 @@ def child(args) -> None:
                           f"copies); {free / GIB:,.1f} GiB available, of which {SAFE:.0%} may be used")
         print("RESULT " + json.dumps(out), flush=True)
         return
+    model = enc.model.to(device).eval()
+
     def reducer(n: int) -> Several:
         """Sentences and head statistics of the text's first n pieces."""
         unit = text["sentence"][:n]
