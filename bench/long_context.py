@@ -37,17 +37,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+
+from probes.memory import AnonPeak  # noqa: E402
+from probes.machine import cpu_description  # noqa: E402
 DEFAULT_DATA_DIR = os.environ.get("PROBES_DATA_DIR") or str(REPO_ROOT.parent / "shared" / "data")
 SOURCES = {"gum": "ud_english_gum/en_gum-ud-train.conllu", "ewt": "ud_english_ewt/en_ewt-ud-train.conllu"}
 PATHS = ("bare", "full", "whole", "blocks")
@@ -60,43 +61,6 @@ SAFE = 0.75  # a path runs only where its maps need at most this share of the me
 def peak_rss_gib() -> float:
     """The process's resident high-water mark (``ru_maxrss``, KiB on Linux), GiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-
-
-class AnonPeak:
-    """The high-water mark of the process's anonymous resident memory (``RssAnon`` of ``/proc/self/status``,
-    sampled every 10 ms), GiB: what the process holds itself (``ru_maxrss`` also counts the file pages of
-    memory-mapped weights)."""
-
-    def __init__(self):
-        self.peak = 0.0
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    @staticmethod
-    def now() -> float:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 2 ** 20
-        return float("nan")
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.now())
-
-    def read(self) -> float:
-        self.peak = max(self.peak, self.now())
-        return self.peak
-
-
-def cpu_name() -> str:
-    """The CPU's model name with its family and model numbers (``/proc/cpuinfo``)."""
-    info = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
-    if "model name" not in info:
-        return platform.processor() or "unknown"
-    return f"{info['model name']} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
 
 
 # ----------------------------------------------------------------------------- the text
@@ -236,7 +200,7 @@ def child(args) -> None:
         out["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     out["seconds"] = time.perf_counter() - t0
     out["rows_per_block"] = engine.rows_per_block(1, T) if args.child in ("whole", "blocks") else None
-    out.update(peak_rss_gib=peak_rss_gib(), anon_peak_gib=anon.read())
+    out.update(peak_rss_gib=peak_rss_gib(), anon_peak_gib=anon.read() / 1024)
     if res is not None and args.save:
         arrays = {"sentences": res["sentences"].float().cpu().numpy()}
         arrays.update({f"stat_{k}": v.cpu().numpy() for k, v in res["stats"].items()})
@@ -362,7 +326,7 @@ def main() -> None:
     print(f"encoder={args.encoder}{' (random weights of its shape)' if args.random_init else ''}; layers "
           f"{args.layers}; one text of UD {args.source.upper()} train documents; blocks' budget "
           f"{', '.join(f'{b:g}' for b in args.budget_mb)} MiB; "
-          f"{'GPU: ' + gpu if gpu else 'CPU: ' + cpu_name()}, {os.cpu_count()} logical CPUs, load average "
+          f"{'GPU: ' + gpu if gpu else 'CPU: ' + cpu_description()}, {os.cpu_count()} logical CPUs, load average "
           f"{load0[0]:.1f} before, {load1[0]:.1f} after")
     print(f"{'pieces':>7} {'path':<12} {'seconds':>8} {'ms/piece':>9} {'rows/blk':>8} {'peak RSS GiB':>13} "
           f"{'anon GiB':>9} {'GPU GiB':>8}  vs other paths: max |diff| of the sentence maps / largest relative "
@@ -380,7 +344,7 @@ def main() -> None:
               f"{gpu_peak}  {diffs}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(encoder=args.encoder, random_init=args.random_init,
-                                                  machine=gpu or cpu_name(), load=[load0[0], load1[0]],
+                                                  machine=gpu or cpu_description(), load=[load0[0], load1[0]],
                                                   budget_mb=args.budget_mb, rows=rows), indent=1) + "\n")
 
 

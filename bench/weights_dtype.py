@@ -17,17 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+
+from probes.memory import AnonPeak  # noqa: E402
+from probes.machine import cpu_description  # noqa: E402
+
 DEFAULT_DATA_DIR = os.environ.get("PROBES_DATA_DIR") or str(REPO_ROOT.parent / "shared" / "data")
 
 
@@ -40,44 +42,6 @@ def rss_mib() -> float:
 def peak_mib() -> float:
     """The process's resident high-water mark (``ru_maxrss``, KiB on Linux), MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class AnonPeak:
-    """The high-water mark of the process's anonymous resident memory (``RssAnon`` of ``/proc/self/status``, sampled
-    every 10 ms in a thread), MiB: the memory the process holds itself. ``ru_maxrss`` also counts the file pages of
-    memory-mapped weights (a float32 safetensors folder is read in place), which the kernel can drop and reread."""
-
-    def __init__(self):
-        self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def now() -> float:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.now())
-
-    def read(self) -> float:
-        self.peak = max(self.peak, self.now())
-        return self.peak
-
-
-def cpu_name() -> str:
-    """The CPU's model name with its family and model numbers (``/proc/cpuinfo``; AMD family 25 model 1: Zen 3)."""
-    info = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
-    if "model name" not in info:
-        return platform.processor() or "unknown"
-    return f"{info['model name']} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
 
 
 def child(args) -> None:
@@ -155,7 +119,7 @@ def main() -> None:
 
     load = os.getloadavg()
     print(f"encoder={args.encoder}, attention word maps of the first {args.sentences} UD EWT {args.split} sentences "
-          f"(extract.precision=32-true); CPU: {cpu_name()}, {os.cpu_count()} logical CPUs, load average "
+          f"(extract.precision=32-true); CPU: {cpu_description()}, {os.cpu_count()} logical CPUs, load average "
           f"{load[0]:.1f}")
     head = (f"{'weights':<9} {'load s':>7} {'maps s':>7} {'RSS loaded MiB':>15} {'peak loading MiB':>17} "
             f"{'peak MiB':>9} {'anon peak MiB':>14} {'max |diff|':>11} {'mean |diff|':>12} {'|diff|>0.05':>12}")
@@ -169,7 +133,7 @@ def main() -> None:
               f"{r.get('max_abs_diff', float('nan')):11.2e} {r.get('mean_abs_diff', float('nan')):12.2e} "
               f"{r.get('share_over_0.05', float('nan')):12.2e}")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(encoder=args.encoder, cpu=cpu_name(), rows=rows), indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(dict(encoder=args.encoder, cpu=cpu_description(), rows=rows), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Process memory settings: glibc malloc thresholds for training on memory-mapped caches and for the extraction
-stages, and the peak RSS a job reports."""
+stages, the peak RSS a job reports, and the peak of a process's own (anonymous) memory that benchmarks report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import ctypes.util
 import functools
 import logging
 import resource
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -106,3 +108,32 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class AnonPeak:
+    """The high-water mark of the process's anonymous resident memory (``RssAnon`` of ``/proc/self/status``,
+    sampled every 10 ms in a daemon thread from construction on), MiB: the memory the process holds itself.
+    ``ru_maxrss`` also counts the file pages of memory-mapped weights (a safetensors folder is read in place),
+    which the kernel can drop and read again."""
+
+    def __init__(self):
+        self.peak = 0.0
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def now() -> float:
+        """RssAnon now, MiB (NaN where /proc/self/status has none)."""
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.now())
+
+    def read(self) -> float:
+        """The peak so far, MiB."""
+        self.peak = max(self.peak, self.now())
+        return self.peak

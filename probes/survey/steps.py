@@ -25,7 +25,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from probes.report.provenance import cpu_description, git_commit
+from probes.machine import cpu_description
+from probes.report.provenance import git_commit
 
 RECORD = "record.json"
 
