@@ -32,6 +32,7 @@ from probes.data.fetch import main as fetch_command
 from probes.model.fetched import RECORD, FetchError, ModelDamaged, ModelNotFetched, load_fetched
 from probes.model.tiny import tiny_folder
 from tests.conftest import ROOT
+from tests.fetch_helpers import make_wheel
 
 gguf = pytest.importorskip("gguf")
 
@@ -81,17 +82,6 @@ def llama_gguf(source: Path, out: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
-
-
-def make_wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -> None:
-    """A minimal valid wheel ``<name>-<version>-py3-none-any.whl`` holding ``files``."""
-    dist = f"{name}-{version}.dist-info"
-    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
-        for k, v in files.items():
-            z.writestr(k, v)
-        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{dist}/RECORD", "")
 
 
 @pytest.fixture(scope="module")
