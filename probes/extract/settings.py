@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from probes.config import plain
 from probes.extract.precision import Precision, check_precision, record, resolve_precision
-from probes.measures import Measure, build
+from probes.measures import Measure, build, check_kind
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,7 @@ class ExtractSettings:
 
     def map_key(self) -> dict:
         """The map kind's part of a cache key: ``{"maps": {"kind": kind, **its measure node}}``."""
-        if self.maps not in self.measures:
-            raise KeyError(f"extract.maps={self.maps!r} is not one of extract.measures: {', '.join(self.measures)}")
+        check_kind(self.maps, self.measures)
         return {"maps": dict(kind=self.maps, **self.measures[self.maps])}
 
     def measure(self) -> Measure:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from probes.model.inputs import POOLINGS, Encoded
+from probes.model.inputs import Encoded, check_pooling
 
 # (position of the item in what the engine was given, the item) -> (unit of every piece, -1: left out; units)
 UnitFn = Callable[[int, Encoded], tuple[Sequence[int], int]]
@@ -104,8 +104,7 @@ class Reducer:
 def _unit_scale(units: torch.Tensor, n: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(units (T,) with the pieces ``mode`` leaves out set to -1, scale (n,) of each unit's sum): ``mean`` divides a
     unit's sum by its pieces, ``sum`` keeps it, ``first`` keeps the unit's first piece only."""
-    if mode not in POOLINGS:
-        raise ValueError(f"unknown pooling '{mode}', expected one of {POOLINGS}")
+    check_pooling(mode)
     real = units >= 0
     count = torch.zeros(n, dtype=torch.float64).index_add_(0, units[real], torch.ones(int(real.sum()),
                                                                                        dtype=torch.float64))  # (n,)
@@ -141,9 +140,8 @@ class Pool(Reducer):
 
     def __init__(self, rows: UnitFn = word_units, cols: UnitFn | None = None, from_units: str = "mean",
                  to_units: str = "sum"):
-        for mode in (from_units, to_units):
-            if mode not in POOLINGS:
-                raise ValueError(f"unknown pooling '{mode}', expected one of {POOLINGS}")
+        check_pooling(from_units, "from_units")
+        check_pooling(to_units, "to_units")
         self.rows_of, self.cols_of = rows, (cols or rows)
         self.from_units, self.to_units = from_units, to_units
 
