@@ -137,3 +137,7 @@ class AnonPeak:
         """The peak so far, MiB."""
         self.peak = max(self.peak, self.now())
         return self.peak
+
+    def close(self) -> None:
+        """Stop sampling (the peak read so far stays)."""
+        self._stop.set()

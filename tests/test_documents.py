@@ -182,7 +182,7 @@ def test_long_context_analysis_matches_eager_loops(tiny, tmp_path):
     path = tmp_path / "docs.conllu"
     path.write_text(conllu_text(DOCS * 4))
     res = probes.analyze("long_context", encoder=enc, output_dir=tmp_path / "out", figures=True,
-                         overrides=[f"analysis.sources.gum.path={path}", "extract.attention_budget_mb=0.01",
+                         overrides=[f"documents.gum.path={path}", "extract.attention_budget_mb=0.01",
                                     "analysis_device=cpu"], lengths=[40, 120, 1000])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["skipped"] == {"1000": "above llama's usable length of 256 pieces".replace(
@@ -220,3 +220,64 @@ def test_running_text_cuts_at_sentence_ends(tiny, tmp_path):
         want = reference_running_text(tok, path, length)
         assert doc.text == " ".join(" ".join(s) for s in want)
         assert doc.n_sentences == len(want) and encode_document(tok, doc).n_pieces <= length
+
+
+def document_loops(tok, eager, path: Path) -> tuple[list[dict], list[str]]:
+    """(the loop statistics of every document of a CoNLL-U file read whole as one sequence - the tokenizer on its
+    running text, one eager forward -, their names), the reference of head_stats' and sink's ``documents``."""
+    docs, names = [], []
+    for line in path.read_text().splitlines():
+        if line.startswith("# newdoc id = "):
+            names.append(line.split("= ", 1)[1])
+            docs.append([])
+        elif line and not line.startswith("#"):
+            docs[-1].append(line.split("\t")[1])
+    out = []
+    for words in docs:
+        ids, _ = reference.text_pieces(tok, words)
+        out.append(dict(loop_stats(eager_attention(eager, ids)), n=len(ids)))
+    return out, names
+
+
+@pytest.mark.parametrize("budget", [1024, 0.01])  # whole maps; blocks of query rows
+def test_head_stats_and_sink_on_documents_match_eager_loops(tiny, tmp_path, budget):
+    """``analysis.documents``: head_stats' first-token share and entropy, and sink's alpha, of whole documents (each
+    one sequence) equal plain loops over an eager forward of each document's running text, averaged over the
+    documents; a document above the model's length is skipped and counted."""
+    enc, eager, tok = tiny
+    long_doc = ("long", [["The", "cat", "sat", "on", "the", "mat", "."]] * 40)  # above the 256 pieces it reads
+    path = tmp_path / "docs.conllu"
+    path.write_text(conllu_text(DOCS + [long_doc]))
+    short = tmp_path / "short.conllu"
+    short.write_text(conllu_text(DOCS))
+    ref, names = document_loops(tok, eager, short)
+    overrides = [f"documents.gum.path={path}", f"extract.attention_budget_mb={budget}", "analysis_device=cpu"]
+    res = probes.analyze("head_stats", encoder=enc, output_dir=tmp_path / "hs", figures=False, overrides=overrides,
+                         documents="gum")
+    s = res.summary
+    assert (s["input"], s["n_input_documents"], s["n_documents"], s["n_skipped_documents"]) == ("documents", 4, 3, 1)
+    assert list(s["skipped"]) == ["long"] and s["skipped"]["long"] > 256
+    table = res.tables["head_stats"]
+    first = s["first_token"]
+    for stat, mine in (("cls", first), ("entropy", "entropy")):
+        want = np.mean([r[stat] for r in ref], axis=0)  # (L, H) mean over documents
+        got = table[table.stat == mine].pivot(index="layer", columns="head", values="value").to_numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert s["uniform_entropy"] == pytest.approx(np.mean([np.mean(np.log(np.arange(1, r["n"] + 1))) for r in ref]))
+
+    res = probes.analyze("sink", encoder=enc, output_dir=tmp_path / "sink", figures=False, overrides=overrides,
+                         documents="gum", threshold=0.2)
+    s = res.summary
+    assert (s["n_documents"], s["n_skipped_documents"], s["n_windows"]) == (3, 1, 3)
+    alpha = np.stack([r["cls"] for r in ref])  # (N, L, H)
+    assert s["sink_rate"] == pytest.approx(float((alpha > 0.2).mean()))
+    sink = res.tables["sink"]
+    np.testing.assert_allclose(sink.alpha.to_numpy(), alpha.mean(0).reshape(-1), rtol=1e-5, atol=1e-7)
+
+
+def test_documents_key_errors_name_the_key(tiny, tmp_path):
+    enc, _, _ = tiny
+    for name in ("head_stats", "sink"):
+        with pytest.raises(ValueError, match=r"analysis.documents='gun': expected one of \['ewt', 'gum', 'litbank'\]"):
+            probes.analyze(name, encoder=enc, output_dir=tmp_path / name, figures=False, documents="gun",
+                           overrides=["analysis_device=cpu"])

@@ -291,10 +291,10 @@ class MapEngine:
                 f"fewer layers or a coarser unit. ({type(e).__name__}: {text.splitlines()[0] if text else ''})") from e
 
     def reduce(self, inputs: Mapping[str, torch.Tensor], reducer: Reducer, positions: Sequence[int],
-               items: Sequence[Encoded]) -> list:
-        """The ``reducer``'s results (one per item) of one padded batch of ``items`` (input_ids, attention_mask (,
-        token_type_ids): (B, T) on the model's device): whole maps as one block each, or blocks of query rows
-        (:meth:`rows_per_block`)."""
+               items: Sequence[Encoded], batched: bool = False):
+        """The ``reducer``'s results (one per item; ``batched``: its :meth:`~probes.maps.reducers.Reducer.batch_results`)
+        of one padded batch of ``items`` (input_ids, attention_mask (, token_type_ids): (B, T) on the model's
+        device): whole maps as one block each, or blocks of query rows (:meth:`rows_per_block`)."""
         ids = inputs["input_ids"]
         B, T = ids.shape
         rows = self.rows_per_block(B, T)
@@ -302,7 +302,7 @@ class MapEngine:
         with stage("forward"), self._memory_errors(B, T, rows):
             self.measure.reduce(self.model, ids, inputs["attention_mask"], self.layers, reducer, rows,
                                 inputs.get("token_type_ids"))
-        return reducer.results()
+        return reducer.batch_results() if batched else reducer.results()
 
     def word_maps(self, batch: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """(B, L', H', W, W) word maps of a :meth:`batch` (pooled in ``pool_dtype``, outside autocast); a batch
@@ -402,6 +402,22 @@ class MapEngine:
 
         def step(inp, positions, its):
             yield from zip(positions, self.reduce(inp, reducer, positions, its))
+
+        return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
+
+    def iter_reduced_batches(self, items: Sequence[Encoded], reducer: Reducer, desc: str = "reduced maps",
+                             progress: bool = True) -> Iterator[tuple[list[int], object]]:
+        """Yield ``(positions, batch result)`` for every batch of ``items``: the positions of its items in ``items``
+        and ``reducer``'s :meth:`~probes.maps.reducers.Reducer.batch_results` (batched tensors on the maps' device,
+        leading dim B in the order of ``positions``), as :meth:`iter_reduced` computes them; nothing is split per
+        item or copied to the host."""
+        if not hasattr(self.measure, "reduce"):
+            raise ValueError(f"{self.kind} maps cannot be reduced block by block (it needs every layer's whole map); "
+                             "use kind=attention, or iter_word_maps / iter_piece_maps")
+        self._check_batches(items, reducer)
+
+        def step(inp, positions, its):
+            yield list(positions), self.reduce(inp, reducer, positions, its, batched=True)
 
         return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
 

@@ -9,7 +9,8 @@ batches).
 
 Life of a reducer, once per batch: :meth:`Reducer.start` (the batch's items, the layers, the device), then
 :meth:`Reducer.update` for every block of every captured layer, then :meth:`Reducer.results` (one result per
-item, in batch order). :meth:`Reducer.nbytes` says how large the state of a batch would be, before any forward.
+item, in batch order) or :meth:`Reducer.batch_results` (the batch's results as batched tensors on the device:
+``MapEngine.iter_reduced_batches``). :meth:`Reducer.nbytes` says how large the state of a batch would be, before any forward.
 
 * :class:`Pool`: rows and columns pooled to units: words (``[first special] words [last special]``, the layout of
   word maps), sentences of a document, spans of N pieces, any units given per piece; result (L', H, U_r, U_c).
@@ -88,6 +89,11 @@ class Reducer:
     def results(self) -> list:
         """One result per item of the batch, in order."""
         raise NotImplementedError
+
+    def batch_results(self):
+        """The batch's results as batched tensors on the maps' device (leading dim B), where the reducer has them
+        (:class:`HeadStats`); sums over batches stay on the device and are copied once at the end."""
+        raise NotImplementedError(f"{type(self).__name__} gives results per item only (results())")
 
     def nbytes(self, layers: Sequence[int], heads: int, positions: Sequence[int], items: Sequence[Encoded]) -> int:
         """Bytes of the state of a batch of ``items`` (what :meth:`start` would allocate)."""
@@ -267,8 +273,17 @@ class HeadStats(Reducer):
     s / n``; ``cls_entropy``: that of row 0; ``distance``: mean over rows of sum_j alpha_ij |i - j|;
     ``distance_hist``: mean over rows of the attention at each distance bin (:func:`distance_bin_edges`).
 
+    Every block is reduced for the whole batch at once, with tensor operations on the maps' device (no loop over
+    the items): per-row quantities (the attention to the flagged keys by one matmul, the smoothed rows' entropy),
+    and the attention at each offset j - i summed over the rows with each row's weight (1 / n; 0 for padding) by
+    one matmul on the block skewed so that an offset is a column (prev / self / next, the distance and its
+    histogram come from it). Padding rows are never read into a sum (a padded row's values, even non-finite ones,
+    are set aside with ``where`` / zeroed).
+
     State: per statistic (B, L', H) float64 sums over rows (the histogram (B, L', H, K)) on the maps' device, and
-    per item its length, its separator and punctuation flags (T,).
+    per item its length, its separator and punctuation flags (B, T) and each row's weights (B, T).
+    :meth:`batch_results` gives the batch's statistics as (B, L', H) tensors (for sums over many batches kept on
+    the device: :mod:`probes.analysis.clark.head_stats`), :meth:`results` one dict per item.
 
     Args:
         sep: the separators of each item (:data:`FlagFn`); None: its last piece.
@@ -276,116 +291,183 @@ class HeadStats(Reducer):
             ``punct`` statistic.
         smoothing: the entropy's smoothing ``s`` (Clark's 1e-4).
         bins: the number of distance bins.
+        stats: the statistics to compute (of :attr:`STATS`); None: all. Fewer cost less: ``("cls",)`` reads one
+            column of each block.
     """
 
+    SUMS = ("prev", "self", "next", "cls", "sep", "sep_sep", "rest_sep", "punct", "entropy", "cls_entropy",
+            "distance")
+    STATS = SUMS + ("distance_hist",)
+    _KEYS = frozenset({"sep", "sep_sep", "rest_sep", "punct"})  # need the flagged keys' matmul (cls alone does not)
+    _OFFSETS = frozenset({"prev", "self", "next", "distance", "distance_hist"})  # need the attention by offset
+    _ENTROPY = frozenset({"entropy", "cls_entropy"})
+
     def __init__(self, sep: FlagFn | None = None, punct: FlagFn | None = None, smoothing: float = 1e-4,
-                 bins: int = DISTANCE_BINS):
+                 bins: int = DISTANCE_BINS, stats: Sequence[str] | None = None):
         self.sep_of, self.punct_of = sep, punct
         self.smoothing, self.bins = float(smoothing), int(bins)
         if self.bins < 2:
             raise ValueError(f"bins must be >= 2, got {bins}")
-
-    SUMS = ("prev", "self", "next", "cls", "sep", "sep_sep", "rest_sep", "punct", "entropy", "cls_entropy",
-            "distance")
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+        unknown = sorted(set(stats or ()) - set(self.STATS))
+        if unknown or (stats is not None and not stats):
+            raise ValueError(f"stats={list(stats)}: expected a non-empty subset of {list(self.STATS)}")
+        self.stats = frozenset(stats or self.STATS) - ({"punct"} if punct is None else set())
+    CHUNK_ELEMENTS = 2 ** 22  # floats of one chunk's largest temporary (the skewed rows: B x H x q x (c + q))
 
     def nbytes(self, layers, heads, positions, items) -> int:
-        return len(items) * len(layers) * int(heads) * (len(self.SUMS) + self.bins) * 8
+        T = max((e.n_pieces for e in items), default=0)
+        return (len(items) * len(layers) * int(heads) * (len(self.SUMS) + self.bins) * 8
+                + len(items) * T * (4 * FLOAT_BYTES + 3 * 8 + 1))
+
+    def _flags(self, positions, items, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(separators (B, T) bool, punctuation (B, T) bool) of the batch, padding False: one tensor per batch."""
+        sep, punct = [], []
+        for k, e in zip(positions, items):
+            n = e.n_pieces
+            s = [False] * (n - 1) + [True] if self.sep_of is None else [bool(x) for x in self.sep_of(k, e)]
+            p = [bool(x) for x in self.punct_of(k, e)] if self.punct_of is not None else [False] * n
+            if len(s) != n or len(p) != n:
+                raise ValueError(f"item {k}: separator / punctuation flags must have one entry per piece ({n})")
+            sep.append(s + [False] * (T - n))
+            punct.append(p + [False] * (T - n))
+        return torch.tensor(sep, dtype=torch.bool), torch.tensor(punct, dtype=torch.bool)
 
     def start(self, layers, heads, positions, items, T, device) -> None:
         self._set_layers(layers, heads)
-        B, L, H = len(items), len(self.layers), self.heads
+        B, L, H, s = len(items), len(self.layers), self.heads, self.smoothing
         self.n = [e.n_pieces for e in items]
+        if min(self.n, default=1) < 1:
+            raise ValueError("HeadStats: an item has no pieces")
+        sep, punct = self._flags(positions, items, T)  # (B, T) each
+        n = torch.tensor(self.n, dtype=torch.float64)  # (B,)
+        real = torch.arange(T)[None, :] < n[:, None]  # (B, T)
+        n_sep = sep.sum(1).double()  # (B,)
+        keys = torch.stack([torch.zeros(B, T, dtype=torch.bool).index_fill_(1, torch.tensor([0]), True),
+                            sep, punct, real], -1).float()  # (B, T, 4): position 0, separator, punctuation, any key
+        self.keys = keys.to(device)
+        self.n_sep = n_sep.to(device)
+        # each row's weight in a mean over rows: all rows (1 / n), separator rows (1 / n_sep), the other rows
+        self.w_row = (real.double() / n[:, None]).to(device)  # (B, T)
+        self.w_sep = (sep.double() / n_sep.clamp(min=1)[:, None]).to(device)  # (B, T)
+        self.w_rest = ((real & ~sep).double() / (n - n_sep).clamp(min=1)[:, None]).to(device)  # (B, T)
+        # the entropy's per-item constants (see _chunk): c = s / (n (1 - s)), entr(c), entr(s / n)
+        c = s / (n * (1.0 - s))
+        self.c = c.to(device)  # (B,)
+        self.entr_c = torch.special.entr(c).to(device)  # (B,)
+        self.entr_out = torch.special.entr(s / n).to(device)  # (B,)
+        self.n_t = n.to(device)  # (B,)
         self.sums = {k: torch.zeros(B, L, H, dtype=torch.float64, device=device) for k in self.SUMS}
         self.hist = torch.zeros(B, L, H, self.bins, dtype=torch.float64, device=device)  # (B, L', H, K)
-        keys = torch.zeros(B, T, 4)  # (B, T, 4): position 0, separator, punctuation, every key
-        self.sep = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-        for i, (k, e) in enumerate(zip(positions, items)):
-            n = e.n_pieces
-            sep = torch.zeros(n, dtype=torch.bool)
-            if self.sep_of is None:
-                sep[n - 1] = True
-            else:
-                sep = torch.as_tensor(list(self.sep_of(k, e)), dtype=torch.bool)
-            punct = torch.as_tensor(list(self.punct_of(k, e)) if self.punct_of is not None else [False] * n,
-                                    dtype=torch.float32)
-            if sep.numel() != n or punct.numel() != n:
-                raise ValueError(f"item {k}: separator / punctuation flags must have one entry per piece ({n})")
-            self.sep[i, :n] = sep
-            keys[i, 0, 0] = 1.0
-            keys[i, :n, 1], keys[i, :n, 2], keys[i, :n, 3] = sep.float(), punct, 1.0
-        self.keys, self.sep = keys.to(device), self.sep.to(device)
         self.edges = torch.tensor(distance_bin_edges(self.bins)[1:], device=device)  # (K - 1,) upper bounds
 
     def update(self, layer, probs, rows, cols) -> None:
         (a, b), (lo, hi) = rows, cols
-        for i in range(probs.shape[0]):
-            n = self.n[i]
-            qn, cn = min(b, n) - a, min(hi, n) - lo  # the item's real rows and keys in this block
-            for r0 in range(0, max(qn, 0) if cn > 0 else 0, self.CHUNK):  # a bounded share of the block at a time
-                p = probs[i, :, r0:min(qn, r0 + self.CHUNK), :cn].float()  # (H, q, c)
-                self._rows(self._position(layer), i, p, a + r0, lo)
+        B, H, q, c = probs.shape
+        last = min(b, max(self.n))  # rows at or beyond every item's length are padding only
+        if last <= a or lo >= max(self.n):
+            return
+        step = max(1, self.CHUNK_ELEMENTS // (B * H * (c + min(q, 64))))
+        for r0 in range(a, last, step):  # a bounded share of the block at a time
+            r1 = min(last, r0 + step)
+            self._chunk(self._position(layer), probs[:, :, r0 - a:r1 - a].float(), r0, lo)
 
-    CHUNK = 256  # query rows whose temporaries (about three copies of their probabilities) exist at once
-
-    def _rows(self, l: int, i: int, p: torch.Tensor, a: int, lo: int) -> None:
-        """Add the statistics of rows a .. a + q of item i (p (H, q, c) over keys lo .. lo + c, all real) to layer
+    def _chunk(self, l: int, p: torch.Tensor, a: int, lo: int) -> None:
+        """Add the statistics of rows a .. a + q of the batch (p (B, H, q, c) over keys lo .. lo + c) to layer
         position l's sums."""
-        H, qn, cn = p.shape
-        n, s, sums = self.n[i], self.smoothing, self.sums
-        # the attention at each offset j - i summed over the rows: row r shifted right by qn - 1 - r, so that an
-        # offset is a column; column m holds offset lo - a + m - (qn - 1)
-        w = cn + qn - 1
-        skewed = p.new_zeros(H, qn, w)  # (H, q, w)
-        skewed.as_strided((H, qn, cn), (qn * w, w - 1, 1), qn - 1).copy_(p)
-        mass = skewed.sum(1, dtype=torch.float64)  # (H, w)
-        del skewed
-        first = lo - a - (qn - 1)  # the offset of column 0
-        for name, off in (("prev", -1), ("self", 0), ("next", 1)):
-            if 0 <= off - first < w:
-                sums[name][i, l] += mass[:, off - first] / n
-        dist = (torch.arange(w, device=p.device) + first).abs()  # (w,) |j - i| of each column
-        sums["distance"][i, l] += (mass * dist.double()).sum(-1) / n
-        self.hist[i, l].index_add_(1, torch.bucketize(dist, self.edges, right=True), mass / n)  # (H, K)
-        to = torch.matmul(p, self.keys[i, lo:lo + cn])  # (H, q, 4): to position 0, separators, punctuation, all
-        sums["cls"][i, l] += to[..., 0].double().sum(-1) / n
-        to_sep = to[..., 1].double()  # (H, q)
-        sep_rows = self.sep[i, a:a + qn]  # (q,)
-        n_sep = int(self.sep[i].sum())
-        sums["sep"][i, l] += to_sep.sum(-1) / n
-        if n_sep:
-            sums["sep_sep"][i, l] += to_sep[:, sep_rows].sum(-1) / n_sep
-        if n_sep < n:
-            sums["rest_sep"][i, l] += to_sep[:, ~sep_rows].sum(-1) / (n - n_sep)
-        sums["punct"][i, l] += to[..., 2].double().sum(-1) / n
-        # entropy of the smoothed row (1 - s) p + s / n = (1 - s) (p + c) over the item's n keys, c = s / (n (1 - s)):
-        # sum_j entr((1 - s)(p_j + c)) = (1 - s) sum_j entr(p_j + c) - (1 - s) log(1 - s) sum_j (p_j + c); the keys
-        # outside the block have p = 0
-        c = s / (n * (1.0 - s))
-        x = torch.add(p, c)  # (H, q, c)
-        ent = torch.special.entr(x, out=x).sum(-1).double()  # (H, q)
+        B, H, q, c = p.shape
+        s, sums, want = self.smoothing, self.sums, self.stats
+        w_row = self.w_row[:, a:a + q]  # (B, q) 0 for padding rows
+        valid = w_row > 0  # (B, q)
+        some_padding = min(self.n) < a + q
+
+        def mean_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x (B, H, q), w (B, q) -> (B, H)
+            if some_padding:
+                x = torch.where(valid[:, None, :], x, 0.0)
+            return (x * w[:, None, :]).sum(-1)
+
+        to = None
+        if want & (self._KEYS | self._ENTROPY):
+            keys = self.keys[:, None, lo:lo + c]  # (B, 1, c, 4)
+            to = torch.matmul(p, keys).double()  # (B, H, q, 4): to position 0, separators, punctuation, all keys
+        if "cls" in want and lo == 0:
+            sums["cls"][:, l] += mean_rows(to[..., 0] if to is not None else p[..., 0].double(), w_row)
+        for name, col, w in (("sep", 1, w_row), ("sep_sep", 1, self.w_sep[:, a:a + q]),
+                             ("rest_sep", 1, self.w_rest[:, a:a + q]), ("punct", 2, w_row)):
+            if name in want:
+                sums[name][:, l] += mean_rows(to[..., col], w)
+        if want & self._OFFSETS:
+            self._offsets(l, p, a, lo, valid, w_row, some_padding)
+        if not want & self._ENTROPY:
+            return
+        # entropy of the smoothed row y = (1 - s) p + s / n = (1 - s) (p + c) over the item's n keys, c = s / (n (1 - s)):
+        # sum_j entr(y_j) = (1 - s) sum_j entr(p_j + c) - (1 - s) log(1 - s) sum_j (p_j + c). The block's columns beyond
+        # the item's length (p = 0) are taken out again; its keys outside the block (p = 0) add entr(s / n) each
+        cn = (self.n_t - lo).clamp(0, c)  # (B,) the item's real keys in the block
+        x = torch.add(p, self.c.float()[:, None, None, None])  # (B, H, q, c)
+        if s > 0:  # x > 0: entr(x) = -x log x, as log then an in-place product (twice entr's speed on a CPU)
+            y = torch.log(x)
+            block = y.mul_(x).sum(-1).double().neg_()  # (B, H, q)
+            del y
+        else:
+            block = torch.special.entr(x).sum(-1).double()  # (B, H, q)
         del x
-        ent = (1.0 - s) * (ent - math.log1p(-s) * (to[..., 3].double() + c * cn))
-        ent += (n - cn) * float(torch.special.entr(torch.tensor(s / n, dtype=torch.float64)))
-        sums["entropy"][i, l] += ent.sum(-1) / n
-        if a == 0:
-            sums["cls_entropy"][i, l] += ent[:, 0]
+        cn_, pad_ = cn[:, None, None], (c - cn)[:, None, None]
+        ent = (1.0 - s) * (block - pad_ * self.entr_c[:, None, None]
+                           - math.log1p(-s) * (to[..., 3] + self.c[:, None, None] * cn_))
+        ent = ent + (self.n_t[:, None, None] - cn_) * self.entr_out[:, None, None]  # (B, H, q)
+        if some_padding:
+            ent = torch.where(valid[:, None, :], ent, 0.0)
+        if "entropy" in want:
+            sums["entropy"][:, l] += mean_rows(ent, w_row)
+        if "cls_entropy" in want and a == 0:
+            sums["cls_entropy"][:, l] += ent[:, :, 0]
+
+    def _offsets(self, l: int, p: torch.Tensor, a: int, lo: int, valid: torch.Tensor, w_row: torch.Tensor,
+                 some_padding: bool) -> None:
+        """prev / self / next, the distance and its histogram of rows a .. a + q (p (B, H, q, c)): the attention at
+        each offset j - i summed over the rows with their weights (w_row (B, q); valid (B, q) the real rows), by one
+        matmul on the block skewed so that an offset is a column (row r shifted right by q - 1 - r; column m holds
+        offset first + m)."""
+        B, H, q, c = p.shape
+        w = c + q - 1
+        first = lo - a - (q - 1)
+        skewed = p.new_zeros(B, H, q, w)  # (B, H, q, w)
+        rows_of = skewed.as_strided((B, H, q, c), (H * q * w, q * w, w - 1, 1), q - 1)  # (B, H, q, c) view
+        if some_padding:  # padding rows written as 0 (even where they hold non-finite values)
+            torch.where(valid[:, None, :, None], p, p.new_zeros(()), out=rows_of)
+        else:
+            rows_of.copy_(p)
+        mass = torch.matmul(w_row.float()[:, None, None, :], skewed).squeeze(-2).double()  # (B, H, w)
+        del skewed, rows_of
+        for name, off in (("prev", -1), ("self", 0), ("next", 1)):
+            if name in self.stats and 0 <= off - first < w:
+                self.sums[name][:, l] += mass[..., off - first]
+        dist = (torch.arange(w, device=p.device) + first).abs()  # (w,) |j - i| of each column
+        if "distance" in self.stats:
+            self.sums["distance"][:, l] += (mass * dist.double()).sum(-1)
+        if "distance_hist" in self.stats:
+            self.hist[:, l].index_add_(2, torch.bucketize(dist, self.edges, right=True), mass)  # (B, H, K)
+
+    def batch_results(self) -> dict[str, torch.Tensor]:
+        """The batch's statistics (those asked for): stat -> (B, L', H) float64 on the maps' device
+        (``distance_hist``: (B, L', H, K)); ``punct`` only with ``punct`` flags, ``sep_sep`` NaN for an item without a separator, ``rest_sep``
+        NaN for one whose every piece is one."""
+        out = {k: v for k, v in self.sums.items() if k in self.stats}
+        nan = torch.tensor(float("nan"), dtype=torch.float64, device=self.n_sep.device)
+        if "sep_sep" in out:
+            out["sep_sep"] = torch.where((self.n_sep > 0)[:, None, None], out["sep_sep"], nan)
+        if "rest_sep" in out:
+            out["rest_sep"] = torch.where((self.n_sep < self.n_t)[:, None, None], out["rest_sep"], nan)
+        if "distance_hist" in self.stats:
+            out["distance_hist"] = self.hist
+        return out
 
     def results(self) -> list[dict[str, torch.Tensor]]:
-        """Per item: stat -> (L', H) float64 (``distance_hist``: (L', H, K)); ``punct`` only with ``punct`` flags,
-        ``sep_sep`` NaN without a separator, ``rest_sep`` NaN when every piece is one."""
-        out = []
-        for i, n in enumerate(self.n):
-            n_sep = int(self.sep[i].sum())
-            res = {k: v[i].clone() for k, v in self.sums.items()}
-            if self.punct_of is None:
-                del res["punct"]
-            if not n_sep:
-                res["sep_sep"].fill_(float("nan"))
-            if n_sep == n:
-                res["rest_sep"].fill_(float("nan"))
-            res["distance_hist"] = self.hist[i].clone()
-            out.append(res)
-        return out
+        """Per item: stat -> (L', H) float64 (``distance_hist``: (L', H, K)), as :meth:`batch_results`."""
+        batch = self.batch_results()
+        return [{k: v[i].clone() for k, v in batch.items()} for i in range(len(self.n))]
 
 
 class Several(Reducer):
@@ -407,6 +489,10 @@ class Several(Reducer):
     def update(self, layer, probs, rows, cols) -> None:
         for r in self.reducers.values():
             r.update(layer, probs, rows, cols)
+
+    def batch_results(self) -> dict:
+        """name -> each reducer's :meth:`Reducer.batch_results`."""
+        return {name: r.batch_results() for name, r in self.reducers.items()}
 
     def results(self) -> list[dict]:
         per = {name: r.results() for name, r in self.reducers.items()}

@@ -23,6 +23,13 @@ each chunk gets the tokenizer's own specials (those it puts before and after one
 an error naming the split. The attention maps come from the project's model layer through the map engine
 (:class:`probes.maps.MapEngine` with :class:`probes.measures.attention.Attention`), as every analysis reads them.
 
+Documents (``documents``: a name of ``conf/analyze.yaml``'s ``documents``): each whole document is one input in
+place of a window (its running text with the tokenizer's own specials); alpha per document, the rate over
+documents; documents longer than ``encoder.max_length`` pieces are skipped and named in ``summary.json``.
+
+The attention is reduced on the maps' device a batch at a time (:class:`probes.maps.reducers.HeadStats` with
+``stats=("cls",)``): the (N, L, H) alphas are copied to the host once, no map is.
+
 Outputs: ``sink.csv`` (layer, head, alpha: the mean over windows, windows_above: the share of windows with
 alpha > threshold; 0-based), ``sink_by_layer.csv`` (layer, mean_alpha, sink_rate: the authors' rate over the
 layer's windows and heads, share_mean_alpha_above: the share of its heads whose mean alpha exceeds the
@@ -37,14 +44,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+import torch
 
 from probes.analysis import plots
 from probes.analysis.clark.metrics import is_causal
-from probes.maps import MapEngine
+from probes.data.documents import DocumentSource, encode_document
+from probes.maps import HeadStats, MapEngine
 from probes.measures.attention import Attention
 from probes.model.families import special_ids
 from probes.model.inputs import Encoded, check_pieces
@@ -110,21 +119,29 @@ SINK_RATE_DEFINITION = ("Gu et al. 2024: the indicator alpha > threshold of ever
 
 
 def first_token_alpha(encoder, windows: Sequence[Encoded], device: str = "cpu", max_batch_size: int = 32,
-                      desc: str = "sink") -> np.ndarray:
-    """(N, L, H): each window's mean over the query rows of each head's attention to position 0."""
-    T = windows[0].n_pieces
+                      desc: str = "sink", max_tokens: int | None = None, attention_budget_mb: float = 1024
+                      ) -> np.ndarray:
+    """(N, L, H): each window's (or document's) mean over the query rows of each head's attention to position 0.
+    Reduced batch by batch on the maps' device (:class:`probes.maps.reducers.HeadStats` ``stats=("cls",)``):
+    the (N, L, H) values stay there until one copy at the end; no map leaves the device. ``max_tokens``: pieces per
+    batch (None: ``max_batch_size`` of the longest input); a batch whose whole maps exceed ``attention_budget_mb``
+    (``extract.attention_budget_mb``) is reduced in blocks of query rows."""
+    T = max(w.n_pieces for w in windows)
     engine = MapEngine(encoder.model, Attention(), tokenizer=encoder.tokenizer, device=device,
-                       max_tokens=T * int(max_batch_size), max_batch_size=int(max_batch_size), max_pairs=None)
+                       max_tokens=int(max_tokens) if max_tokens else T * int(max_batch_size),
+                       max_batch_size=int(max_batch_size), max_pairs=None, attention_budget_mb=attention_budget_mb)
+    reducer = HeadStats(stats=("cls",))
     alpha = None
-    for k, attn in engine.iter_piece_maps(list(windows), desc=desc):  # attn: (L, H, T, T)
-        a = attn[..., :, 0].double().mean(-1).cpu().numpy()  # (L, H) mean over query rows of attention to position 0
+    for positions, batch in engine.iter_reduced_batches(list(windows), reducer, desc=desc):
+        a = batch["cls"]  # (B, L, H) float64, on the maps' device
         if alpha is None:
-            alpha = np.full((len(windows), *a.shape), np.nan)  # (N, L, H)
-        alpha[k] = a
+            alpha = torch.full((len(windows), *a.shape[1:]), float("nan"), dtype=torch.float64, device=a.device)
+        alpha[torch.as_tensor(positions, device=a.device)] = a
+    alpha = alpha.cpu().numpy() if alpha is not None else None  # (N, L, H)
     if alpha is None or not np.isfinite(alpha).all():
         raise RuntimeError(f"sink: the attention to position 0 of {encoder.name} is missing or not finite in "
-                           f"{0 if alpha is None else int((~np.isfinite(alpha)).any(axis=(1, 2)).sum())} of "
-                           f"{len(windows)} windows")
+                           f"{len(windows) if alpha is None else int((~np.isfinite(alpha)).any(axis=(1, 2)).sum())} "
+                           f"of {len(windows)} inputs")
     return alpha
 
 
@@ -149,7 +166,8 @@ def layer_table(alpha: np.ndarray, threshold: float) -> pd.DataFrame:
 
 
 def sink(ctx, *, split: str = "dev", window: int = 64, max_windows: int | None = 100, threshold: float = 0.3,
-         max_batch_size: int = 32) -> pd.DataFrame:
+         max_batch_size: int = 32, documents: str | None = None, sources: Mapping[str, DocumentSource] | None = None,
+         max_documents: int | None = None, max_tokens: int = 16384) -> pd.DataFrame:
     """Compute, save and plot the attention-sink metric (module doc); returns the (layer, head, alpha,
     windows_above) table.
 
@@ -160,16 +178,31 @@ def sink(ctx, *, split: str = "dev", window: int = 64, max_windows: int | None =
         max_windows: The first N windows of the split; None: all.
         threshold: epsilon: a head sinks in a window when its alpha there exceeds it (Gu et al.: 0.3).
         max_batch_size: Windows per forward.
+        documents: None: windows of the split (above). A key of ``sources``: its whole documents instead, each
+            one input with the tokenizer's specials (alpha per document, the rate over documents); those above
+            ``encoder.max_length`` pieces are skipped and counted. ``split``, ``window`` and ``max_windows`` are then
+            not used.
+        sources: Name -> :class:`~probes.data.documents.DocumentSource` (``documents`` of ``conf/analyze.yaml``).
+        max_documents: The first N documents of the source; None: all.
+        max_tokens: Pieces per forward of documents (a longer document is read alone).
     """
     t0 = time.time()
     encoder = ctx.encoder
-    if window > encoder.max_length:
-        raise ValueError(f"analysis.window={window} exceeds {encoder.name}'s usable length of {encoder.max_length}")
     tok = encoder.tokenizer
-    sentences = ctx.sentences(split)
-    what = f"split {split!r} ({ctx.treebank.path(split)})"
-    windows = text_windows(tok, running_split_text(sentences), window, max_windows, what=what)
-    alpha = first_token_alpha(encoder, windows, ctx.device, max_batch_size)  # (N, L, H)
+    inputs: dict = dict(split=split, window=int(window))
+    if documents is not None:
+        windows, inputs = _documents(encoder, documents, sources or {}, max_documents)
+        max_tokens = max(int(max_tokens), max(w.n_pieces for w in windows))
+    else:
+        if window > encoder.max_length:
+            raise ValueError(f"analysis.window={window} exceeds {encoder.name}'s usable length of "
+                             f"{encoder.max_length}")
+        sentences = ctx.sentences(split)
+        what = f"split {split!r} ({ctx.treebank.path(split)})"
+        windows = text_windows(tok, running_split_text(sentences), window, max_windows, what=what)
+        max_tokens = None
+    alpha = first_token_alpha(encoder, windows, ctx.device, max_batch_size, max_tokens=max_tokens,
+                              attention_budget_mb=float(ctx.extract_cfg.attention_budget_mb))  # (N, L, H)
     df = alpha_table(alpha, threshold)
     by_layer = layer_table(alpha, threshold)
     ctx.save_table(df, "sink")
@@ -186,14 +219,43 @@ def sink(ctx, *, split: str = "dev", window: int = 64, max_windows: int | None =
     first_id = windows[0].input_ids[0]
     sink_rate = float((alpha > threshold).mean())
     share = float((mean > threshold).mean())
-    ctx.log_summary(dict(analysis="sink", split=split, encoder=encoder.name, causal=is_causal(encoder),
+    ctx.log_summary(dict(analysis="sink", **inputs, encoder=encoder.name, causal=is_causal(encoder),
                          sink_rate=sink_rate, share_mean_alpha_above=share, sink_rate_definition=SINK_RATE_DEFINITION,
-                         threshold=float(threshold), window=int(window), n_windows=len(windows),
+                         threshold=float(threshold), n_windows=len(windows),
                          first_token=tok.convert_ids_to_tokens(first_id),
                          first_is_special=first_id in set(tok.all_special_ids),
                          per_layer_mean_alpha=[float(x) for x in by_layer.mean_alpha],
                          per_layer_sink_rate=[float(x) for x in by_layer.sink_rate],
                          seconds=round(time.time() - t0, 1)))
-    log.info("sink: rate %.3f (alpha > %g per window; mean alpha > %g: %.3f of the heads) over %d windows of %d "
-             "pieces in %.1fs", sink_rate, threshold, threshold, share, len(windows), window, time.time() - t0)
+    log.info("sink: rate %.3f (alpha > %g per input; mean alpha > %g: %.3f of the heads) over %d %s in %.1fs",
+             sink_rate, threshold, threshold, share, len(windows),
+             "documents" if documents is not None else f"windows of {window} pieces", time.time() - t0)
     return df
+
+
+def _documents(encoder, documents: str, sources: Mapping[str, DocumentSource], max_documents: int | None
+               ) -> tuple[list[Encoded], dict]:
+    """(the whole documents of ``sources[documents]`` that fit the encoder, each encoded with its specials; the
+    summary's entries: what was read, what was skipped and why)."""
+    if documents not in sources:
+        raise ValueError(f"analysis.documents={documents!r}: expected one of {sorted(sources)} (the documents of "
+                         "conf/analyze.yaml) or null")
+    if max_documents is not None and int(max_documents) < 1:
+        raise ValueError(f"analysis.max_documents={max_documents}: expected a positive number or null")
+    docs = sources[documents].read()[:max_documents]
+    encoded = [encode_document(encoder.tokenizer, d) for d in docs]
+    keep = [e for e in encoded if e.n_pieces <= encoder.max_length]
+    skipped = {e.document.name: e.n_pieces for e in encoded if e.n_pieces > encoder.max_length}
+    if not keep:
+        raise ValueError(f"sink: none of the {len(docs)} documents of {documents!r} fits {encoder.name}'s "
+                         f"{encoder.max_length} pieces (shortest: {min(skipped.values())} pieces)")
+    if skipped:
+        log.warning("sink: %d of %d documents are longer than %d pieces and are skipped", len(skipped), len(docs),
+                    encoder.max_length)
+    lengths = [e.n_pieces for e in keep]
+    return [e.encoded for e in keep], dict(
+        input="documents", documents=documents, source_path=str(sources[documents].path),
+        max_documents=max_documents, n_input_documents=len(docs), n_documents=len(keep),
+        n_skipped_documents=len(skipped), skipped_documents=skipped,
+        documents_left_out=f"longer than encoder.max_length = {encoder.max_length} pieces (one input each)",
+        pieces=dict(min=min(lengths), mean=round(float(np.mean(lengths)), 1), max=max(lengths)))

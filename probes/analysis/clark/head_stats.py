@@ -38,6 +38,19 @@ log(i + 1), the entropy of uniform attention over the i + 1 keys row i sees. The
 ("attention sink", Xiao et al. 2023) is the ``first``/``bos`` column; ``summary.json`` names the
 column (``first_token``) and gives its mean per layer (``per_layer_mean``).
 
+Documents (``documents``: a name of ``conf/analyze.yaml``'s ``documents``, e.g. ``gum``, ``litbank``): each whole
+document is one sequence (its running text with the tokenizer's own specials,
+:func:`probes.data.documents.encode_document`), the same statistics per document averaged over documents; those
+longer than ``encoder.max_length`` pieces are skipped and named in ``summary.json`` (``n_input_documents =
+n_documents + n_skipped_documents``). A decoder such as SmolLM2 reads GUM's documents whole.
+
+Computation: the attention is reduced on the maps' device a batch at a time
+(:class:`probes.maps.reducers.HeadStats` through :meth:`probes.maps.MapEngine.iter_reduced_batches`: masks built
+per batch, sums kept as tensors, one copy at the end; no map is copied to the host, no Python loop over the
+sequences of a batch); a batch whose whole maps exceed ``extract.attention_budget_mb`` (documents) in blocks of
+query rows. The per-sentence reference :func:`probes.analysis.clark.metrics.sentence_head_stats` gives the same
+numbers (tests/test_head_stats_reducer.py).
+
 Outputs: ``head_stats.csv`` (layer, head, stat, value), ``head_stats_by_layer.csv`` (layer, stat,
 mean/min/max over heads), ``head_stats_heatmaps.png``, ``head_stats_layers.png``, ``summary.json``.
 """
@@ -46,7 +59,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +67,10 @@ import pandas as pd
 import torch
 
 from probes.analysis import plots
-from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsAccumulator, is_causal, punct_positions
+from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsTotals, PunctFlags, is_causal, punct_positions
 from probes.analysis.naming import head_name
-from probes.maps import MapEngine
+from probes.data.documents import Document, DocumentSource, encode_document
+from probes.maps import HeadStats, MapEngine
 from probes.measures.attention import Attention
 from probes.model.families import is_byte_level
 from probes.model.inputs import Encoded, encode_word_pairs, encode_words, pair_separator
@@ -197,25 +211,44 @@ class SentenceCounts:
 
 
 def compute(encoder, sentences, device: str = "cpu", pairs: bool = True, **batching
-            ) -> tuple[HeadStatsAccumulator, int, int]:
-    """(:class:`HeadStatsAccumulator` over the sequences that fit, their number of sentences, the number
-    of sequences) of the treebank ``Sentence`` objects (:func:`encode_inputs`)."""
+            ) -> tuple[HeadStatsTotals, int, int]:
+    """(:class:`~probes.analysis.clark.metrics.HeadStatsTotals` over the sequences that fit, their number of
+    sentences, the number of sequences) of the treebank ``Sentence`` objects (:func:`encode_inputs`)."""
     acc, n_sentences, counts, _ = _compute(encoder, sentences, device, pairs, **batching)
     return acc, n_sentences, counts.n_sequences + counts.n_skipped
 
 
+def sequence_stats(encoder, encoded: Sequence[Encoded], device: str = "cpu", max_tokens: int = 4096,
+                   max_batch_size: int = 64, desc: str = "head_stats", attention_budget_mb: float = 1024
+                   ) -> tuple[HeadStatsTotals, list[int], bool]:
+    """(the statistics of every encoded sequence that fits ``encoder.max_length`` pieces averaged over them, the
+    indices of those read, whether any holds a separator). The attention is reduced batch by batch on the maps'
+    device (:class:`probes.maps.reducers.HeadStats`, :meth:`probes.maps.MapEngine.iter_reduced_batches`): masks
+    built per batch, sums kept as tensors, one copy to the host at the end; no map leaves the device. A batch whose
+    whole maps exceed ``attention_budget_mb`` (``extract.attention_budget_mb``; documents) is reduced in blocks of
+    query rows."""
+    tok = encoder.tokenizer
+    keep = fitting(encoded, encoder.max_length)
+    items = [encoded[i] for i in keep]
+    punct = PunctFlags(tok)
+    reducer = HeadStats(sep=lambda k, e: separator_positions(e), punct=lambda k, e: punct(e.input_ids))
+    engine = MapEngine(encoder.model, Attention(), tokenizer=tok, device=device, max_tokens=max_tokens,
+                       max_batch_size=max_batch_size, max_pairs=None, attention_budget_mb=attention_budget_mb)
+    acc = HeadStatsTotals(is_causal(encoder))
+    for positions, batch in engine.iter_reduced_batches(items, reducer, desc=desc):
+        acc.add_batch(batch, [items[k].n_pieces for k in positions])
+    any_sep = any(e.n_words in e.word_of_piece for e in items)  # separators: the specials after position 0
+    return acc, keep, any_sep
+
+
 def _compute(encoder, sentences, device: str, pairs: bool, **batching
-             ) -> tuple[HeadStatsAccumulator, int, SentenceCounts, tuple[str, bool]]:
-    """(accumulator, sentences read, their :class:`SentenceCounts`, (first-token column name, whether any sequence
+             ) -> tuple[HeadStatsTotals, int, SentenceCounts, tuple[str, bool]]:
+    """(statistics, sentences read, their :class:`SentenceCounts`, (first-token column name, whether any sequence
     holds a separator)) of :func:`compute`."""
     causal = is_causal(encoder)
     encoded, members = encode_inputs(encoder.tokenizer, sentences, pairs)
-    too_long = [k for k, e in enumerate(encoded) if e.n_pieces > encoder.max_length]  # sequence_attention skips them
-    acc, read, any_sep = HeadStatsAccumulator(causal), [], False
-    for i, attn, punct, sep in sequence_attention(encoder, encoded, device=device, desc="head_stats", **batching):
-        acc.add(attn, punct, sep)
-        any_sep = any_sep or any(sep)
-        read.append(i)
+    too_long = [k for k, e in enumerate(encoded) if e.n_pieces > encoder.max_length]  # sequence_stats skips them
+    acc, read, any_sep = sequence_stats(encoder, encoded, device, **batching)
     counts = SentenceCounts.of(len(sentences), members, too_long, read)
     return acc, counts.n_sentences, counts, (first_token_name(encoder.tokenizer, encoded, causal), any_sep)
 
@@ -248,15 +281,97 @@ def separator_note(name: str, separator: str, first: str) -> str:
             f"to {separator}, the one token put between the two sentences (rows before it cannot see it: 0)")
 
 
+@dataclass(frozen=True)
+class DocumentCounts:
+    """Where every input document went (``summary.json``, ``documents`` input):
+    ``n_input_documents = n_documents + n_skipped_documents``."""
+
+    n_input_documents: int      # the documents given: the first max_documents of the source
+    n_documents: int            # read, each as one sequence
+    n_skipped_documents: int    # longer than encoder.max_length pieces, not read
+    n_sentences: int            # in the documents read
+    n_pieces: int               # in the documents read, specials included
+    skipped: dict               # name -> pieces of each skipped document
+
+    def summary(self, max_length: int) -> dict:
+        return dict(vars(self), documents_left_out=dict(
+            n_skipped_documents=f"longer than encoder.max_length = {max_length} pieces (one sequence each)"))
+
+
+def document_inputs(encoder, docs: Sequence[Document]) -> tuple[list[Encoded], DocumentCounts, list[int]]:
+    """(the documents that fit ``encoder.max_length`` pieces encoded whole, each with the tokenizer's specials
+    (:func:`probes.data.documents.encode_document`); their :class:`DocumentCounts`; their indices in ``docs``)."""
+    enc = [encode_document(encoder.tokenizer, d) for d in docs]
+    keep = [k for k, e in enumerate(enc) if e.n_pieces <= encoder.max_length]
+    skipped = {docs[k].name: enc[k].n_pieces for k in range(len(docs)) if k not in set(keep)}
+    counts = DocumentCounts(len(docs), len(keep), len(skipped), sum(docs[k].n_sentences for k in keep),
+                            sum(enc[k].n_pieces for k in keep), skipped)
+    return [enc[k].encoded for k in keep], counts, keep
+
+
 def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
-               max_tokens: int = 4096, max_batch_size: int = 64, top_k: int = 3) -> pd.DataFrame:
+               max_tokens: int = 4096, max_batch_size: int = 64, top_k: int = 3, documents: str | None = None,
+               sources: Mapping[str, DocumentSource] | None = None, max_documents: int | None = None
+               ) -> pd.DataFrame:
     """Compute, save and plot the per-head statistics; returns the tidy table.
 
-    ``max_sentences``: the first N sentences of the split (file order), paired when ``pairs``."""
+    Args:
+        ctx: The analysis context.
+        split, max_sentences, pairs: The sentences read (the first N of the split, file order), paired when
+            ``pairs``.
+        max_tokens, max_batch_size: Pieces and sequences per batch.
+        top_k: Heads per statistic listed in summary.json.
+        documents: None: sentences (above). A key of ``sources``: its whole documents instead, each one sequence
+            (those above ``encoder.max_length`` pieces skipped and counted); ``split``, ``pairs`` and
+            ``max_sentences`` are then not used.
+        sources: Name -> :class:`~probes.data.documents.DocumentSource` (``documents`` of ``conf/analyze.yaml``).
+        max_documents: The first N documents of the source; None: all.
+    """
     t0 = time.time()
+    if documents is not None:
+        return _document_stats(ctx, documents, sources or {}, max_documents, max_tokens, max_batch_size, top_k, t0)
     sentences = ctx.sentences(split, max_sentences)
     acc, _, counts, (first, has_sep) = _compute(ctx.encoder, sentences, ctx.device, pairs, max_tokens=max_tokens,
                                                 max_batch_size=max_batch_size)
+    _save(ctx, acc, first, has_sep, top_k, dict(split=split, input="pair" if pairs else "single",
+                                                **counts.summary(pairs, max_sentences, ctx.encoder.max_length)), t0)
+    log.info("head_stats: %d of %d input sentences in %d sequences (%d unpaired, %d in %d sequences too long) "
+             "in %.1fs", counts.n_sentences, counts.n_input_sentences, counts.n_sequences, counts.n_unpaired,
+             counts.n_skipped_sentences, counts.n_skipped, time.time() - t0)
+    return ctx.tables["head_stats"]
+
+
+def _document_stats(ctx, documents: str, sources: Mapping[str, DocumentSource], max_documents: int | None,
+                    max_tokens: int, max_batch_size: int, top_k: int, t0: float) -> pd.DataFrame:
+    """head_stats on whole documents (:func:`head_stats`' ``documents``)."""
+    if documents not in sources:
+        raise ValueError(f"analysis.documents={documents!r}: expected one of {sorted(sources)} (the documents of "
+                         "conf/analyze.yaml) or null")
+    if max_documents is not None and int(max_documents) < 1:
+        raise ValueError(f"analysis.max_documents={max_documents}: expected a positive number or null")
+    docs = sources[documents].read()[:max_documents]
+    encoded, counts, _ = document_inputs(ctx.encoder, docs)
+    if not encoded:
+        raise ValueError(f"head_stats: none of the {len(docs)} documents of {documents!r} fits {ctx.encoder.name}'s "
+                         f"{ctx.encoder.max_length} pieces (shortest: {min(counts.skipped.values())} pieces); use a "
+                         "model that reads longer sequences")
+    if counts.skipped:
+        log.warning("head_stats: %d of %d documents are longer than %d pieces and are skipped", len(counts.skipped),
+                    len(docs), ctx.encoder.max_length)
+    acc, _, has_sep = sequence_stats(ctx.encoder, encoded, ctx.device, max_tokens=max(max_tokens, max(
+        e.n_pieces for e in encoded)), max_batch_size=max_batch_size,
+        attention_budget_mb=float(ctx.extract_cfg.attention_budget_mb))
+    first = first_token_name(ctx.encoder.tokenizer, encoded, acc.causal)
+    _save(ctx, acc, first, has_sep, top_k, dict(input="documents", documents=documents,
+                                                source_path=str(sources[documents].path), max_documents=max_documents,
+                                                **counts.summary(ctx.encoder.max_length)), t0)
+    log.info("head_stats: %d of %d documents (%d sentences, %d pieces) in %.1fs", counts.n_documents,
+             counts.n_input_documents, counts.n_sentences, counts.n_pieces, time.time() - t0)
+    return ctx.tables["head_stats"]
+
+
+def _save(ctx, acc: HeadStatsTotals, first: str, has_sep: bool, top_k: int, inputs: dict, t0: float) -> None:
+    """The tables, figures and summary.json of :func:`head_stats` (``inputs``: what was read, for the summary)."""
     stats = output_stats(acc.result(), first, acc.causal, has_sep)
     df = stats_table(stats, acc.uniform_entropy)
     ctx.save_table(df, "head_stats")
@@ -282,13 +397,7 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
         flat = np.argsort(-v, axis=None)[:top_k]
         top[k] = [dict(name=head_name(*np.unravel_index(i, v.shape)), value=float(v.flat[i])) for i in flat]
     per_layer = {k: [float(x) for x in v.mean(1)] for k, v in stats.items()}
-    ctx.log_summary(dict(analysis="head_stats", split=split, encoder=ctx.encoder.name,
-                         input="pair" if pairs else "single", causal=acc.causal, first_token=first,
-                         separator_token=separator, separator_note=note,
-                         **counts.summary(pairs, max_sentences, ctx.encoder.max_length),
+    ctx.log_summary(dict(analysis="head_stats", encoder=ctx.encoder.name, **inputs, causal=acc.causal,
+                         first_token=first, separator_token=separator, separator_note=note,
                          uniform_entropy=acc.uniform_entropy,
                          per_layer_mean=per_layer, top_heads=top, seconds=round(time.time() - t0, 1)))
-    log.info("head_stats: %d of %d input sentences in %d sequences (%d unpaired, %d in %d sequences too long) "
-             "in %.1fs", counts.n_sentences, counts.n_input_sentences, counts.n_sequences, counts.n_unpaired,
-             counts.n_skipped_sentences, counts.n_skipped, time.time() - t0)
-    return df

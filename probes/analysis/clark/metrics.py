@@ -172,6 +172,69 @@ class HeadStatsAccumulator:
         return self.log_t / max(self.n, 1)
 
 
+def uniform_entropy_sum(lengths: torch.Tensor, causal: bool = False) -> float:
+    """Sum over sequences of :func:`uniform_row_entropy` of each length (lengths (N,), vectorized): log T, or for
+    a causal model the mean over rows of log(i + 1) = lgamma(T + 1) / T."""
+    t = lengths.double()
+    return float((torch.lgamma(t + 1) / t).sum() if causal else torch.log(t).sum())
+
+
+class HeadStatsTotals:
+    """Averages per-sequence head statistics over sequences (each sequence weighs 1, as
+    :class:`HeadStatsAccumulator`), fed a batch at a time with :class:`probes.maps.reducers.HeadStats`'
+    ``batch_results`` (stat -> (B, L, H) on the maps' device): the sums stay on that device, one copy at
+    :meth:`result`. Same interface as :class:`HeadStatsAccumulator` (``result``, ``uniform_entropy``, ``causal``,
+    ``n``)."""
+
+    def __init__(self, causal: bool = False, stats: Sequence[str] = HEAD_STATS):
+        self.causal, self.stats = bool(causal), tuple(stats)
+        self.sums: dict[str, torch.Tensor] = {}
+        self.n = 0
+        self.log_t = 0.0
+
+    def add_batch(self, batch: dict[str, torch.Tensor], lengths: Sequence[int]) -> None:
+        """``batch``: stat -> (B, L, H) of B sequences of ``lengths`` (B,) pieces; stats other than ``stats`` are
+        ignored."""
+        for k in self.stats:
+            v = batch[k].sum(0)  # (L, H)
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+        self.n += len(lengths)
+        self.log_t += uniform_entropy_sum(torch.as_tensor(list(lengths)), self.causal)
+
+    def result(self) -> dict[str, np.ndarray]:
+        """stat -> (L, H) mean over the added sequences."""
+        if self.n == 0:
+            raise ValueError("no sentences were added")
+        return {k: (v / self.n).cpu().numpy() for k, v in self.sums.items()}
+
+    @property
+    def uniform_entropy(self) -> float:
+        """Mean over the added sequences of :func:`uniform_row_entropy` (nats)."""
+        return self.log_t / max(self.n, 1)
+
+
+class PunctFlags:
+    """:func:`punct_positions` of many sequences of one tokenizer, each piece id judged once (memo): call with a
+    sequence's ids (T,), get its (T,) flags."""
+
+    def __init__(self, tokenizer, byte_level: bool | None = None):
+        self.tokenizer = tokenizer
+        self.byte_level = is_byte_level(tokenizer) if byte_level is None else bool(byte_level)
+        self.special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        self.memo: dict[int, bool] = {}
+
+    def __call__(self, ids: Sequence[int]) -> list[bool]:
+        memo = self.memo
+        new = [i for i in set(ids) if i not in memo]
+        if new:
+            for i, s in zip(new, piece_strings(self.tokenizer, new, self.byte_level)):
+                memo[i] = is_period_comma(s) and i not in self.special
+        out = [memo[i] for i in ids]
+        if out:
+            out[0] = out[-1] = False
+        return out
+
+
 # ------------------------------------------------------------------------------------------ §4
 def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False, causal: bool = False) -> np.ndarray:
     """Most-attended other word of every word, per head (Clark's ``attn_head_predictor``).
