@@ -16,8 +16,8 @@ Layer: above :mod:`probes.measures` and :mod:`probes.model`, below :mod:`probes.
 from probes.maps.batches import (SentenceBatches, encode_all, make_batch, pinned, pooling_matrices, prefetched, select,
                                  split_by_pairs)
 from probes.maps.engine import MapEngine, MapMemoryError, pad_id_of, pool_layers
-from probes.maps.reducers import HeadStats, Pool, Reducer, Several
+from probes.maps.reducers import HeadDistances, HeadStats, Pool, Reducer, Several
 
-__all__ = ["HeadStats", "MapEngine", "MapMemoryError", "Pool", "Reducer", "SentenceBatches", "Several", "encode_all",
-           "make_batch", "pad_id_of", "pinned", "pool_layers", "pooling_matrices", "prefetched", "select",
-           "split_by_pairs"]
+__all__ = ["HeadDistances", "HeadStats", "MapEngine", "MapMemoryError", "Pool", "Reducer", "SentenceBatches",
+           "Several", "encode_all", "make_batch", "pad_id_of", "pinned", "pool_layers", "pooling_matrices",
+           "prefetched", "select", "split_by_pairs"]

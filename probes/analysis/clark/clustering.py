@@ -5,7 +5,7 @@ Wordpiece level (as Clark, who used wordpiece maps of unlabeled text), live enco
 Clark's input form; else each sentence alone; sequences longer than ``encoder.max_length`` pieces are
 skipped and counted). As Clark's ``head_distances.py``: every attention row is smoothed,
 ``(1 - s) a + s / T`` with ``smoothing`` s = 0.001, and the distance between heads a and b is the
-Jensen-Shannon divergence (nats; :func:`probes.stats.js_divergence_matrix` x ln 2) of their
+Jensen-Shannon divergence (nats; per sequence :func:`probes.stats.js_divergence_matrix` x ln 2) of their
 smoothed rows summed over every attending token of every sequence (``js`` column; ``js_per_token``
 divides by the number of tokens). The symmetric matrix is embedded in 2-D by metric multidimensional
 scaling with Clark's settings (scikit-learn ``MDS`` on the precomputed dissimilarities, ``n_init=5``,
@@ -29,6 +29,13 @@ Map kinds: ``extract.maps=<kind>`` clusters that kind's wordpiece maps instead (
 normalised to sum 1 so that JS divergence and entropy apply to non-probability kinds such as ``norm``);
 per-layer kinds give one point per layer.
 
+Computation (:func:`head_distances`): a batch at a time on the maps' device, with no Python loop over the
+sequences of a batch and no map copied to the host: the distances by :class:`probes.maps.reducers.HeadDistances`
+(each sequence's own n pieces, smoothed over its own keys, padding masked), the behaviour statistics by
+:class:`probes.maps.reducers.HeadStats` (as ``analysis=head_stats``), both over one forward
+(:meth:`probes.maps.MapEngine.iter_reduced_batches` for attention; other kinds: the batch's stacked piece maps,
+normalised with a mask, handed to the same reducers); sums kept as tensors on the device, one copy at the end.
+
 Files use 0-based layer/head; figures label heads with the paper's 1-based ``layer-head`` names.
 Outputs: ``js_distances.csv`` (layer_a, head_a, layer_b, head_b, js, js_per_token; all ordered
 pairs incl. a == b), ``head_embedding.csv`` (layer, head, name, x, y, behaviour, and the statistics),
@@ -40,6 +47,8 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -48,13 +57,14 @@ import torch
 from sklearn.manifold import MDS
 
 from probes.analysis.clark.head_stats import (SentenceCounts, encode_inputs, first_token_name, fitting,
-                                              separator_positions, sequence_attention)
-from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsAccumulator, is_causal, punct_positions, smooth
+                                              separator_positions)
+from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsTotals, PunctFlags, is_causal
 from probes.analysis.naming import head_name
 from probes.analysis.plots import layer_ticks
-from probes.maps import MapEngine
-from probes.model.families import is_byte_level
-from probes.stats import LN2, js_divergence_matrix
+from probes.maps import HeadDistances, HeadStats, MapEngine, Reducer, Several
+from probes.measures import Measure
+from probes.measures.attention import Attention
+from probes.model.inputs import Encoded, pad_encoded
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +75,7 @@ CLARK_ORDER = (("next", "position"), ("prev", "position"), ("broad", "broad"), (
 BEHAVIOUR_COLOURS = {"next": "#e74c3c", "prev": "#3498db", "broad": "#f39c12", "cls": "#9b59b6", "sep": "#59d98e",
                      "punct": "#159d82", "other": "#95a5a6", "first": "#9b59b6", "bos": "#9b59b6"}
 CLARK_BROAD_FRACTION = 3.8 / float(np.log(128))  # his 3.8 nats over the uniform entropy of 128 tokens
+ROW_SUM_FLOOR = 1e-12  # a row of another kind summing to less is divided by this (an all-zero row stays 0)
 
 
 def classify_heads(stats: dict[str, np.ndarray], uniform_entropy: float, position_threshold: float = 0.5,
@@ -123,19 +134,81 @@ def _scatter(emb: pd.DataFrame, colour_by: str, title: str):
     return fig
 
 
-def wordpiece_maps(enc, measure, encoded, device: str, max_tokens: int, max_batch_size: int):
-    """Like :func:`~probes.analysis.clark.head_stats.sequence_attention` for any map kind: yield ``(index,
-    maps (L, H', T, T) with rows normalised to sum 1, punct (T,), sep (T,))`` of the encoded sequences;
-    those longer than the encoder's (or the measure's) maximum are skipped."""
-    tok = enc.tokenizer
-    engine = MapEngine(enc.model, measure, tokenizer=tok, device=device, max_tokens=max_tokens,
-                       max_batch_size=max_batch_size, max_pairs=None)
-    keep = fitting(encoded, engine.limit())
-    items, byte_level = [encoded[i] for i in keep], is_byte_level(tok)
-    for k, m in engine.iter_piece_maps(items, desc="clustering"):
-        m = m.float()
-        yield (keep[k], m / m.sum(-1, keepdim=True).clamp(min=1e-12),
-               punct_positions(tok, items[k].input_ids, byte_level), separator_positions(items[k]))
+@dataclass
+class HeadDistanceTotals:
+    """What :func:`head_distances` gathers over the sequences read."""
+
+    js: torch.Tensor  # (K, K) float64 on the maps' device: JS divergences (nats) summed over every sequence's rows
+    stats: HeadStatsTotals  # the behaviour statistics (mean over sequences)
+    read: list[int]  # indices of the sequences read (the others were longer than the encoder's or measure's limit)
+    n_tokens: int  # pieces of the sequences read
+
+
+def reduce_maps(reducer: Reducer, maps: torch.Tensor, layers: Sequence[int], positions: Sequence[int],
+                items: Sequence[Encoded]):
+    """``reducer``'s batch results of a batch's whole piece maps (B, L', H', T, T) (padded rows and keys of any
+    value), each layer handed over as one block, as the engine hands whole attention maps."""
+    B, _, H, T, _ = maps.shape
+    reducer.start(layers, H, positions, items, T, maps.device)
+    for j, layer in enumerate(layers):
+        reducer.update(layer, maps[:, j], (0, T), (0, T))
+    return reducer.batch_results()
+
+
+def _normalised_batches(engine: MapEngine, items: Sequence[Encoded], reducer: Reducer, desc: str):
+    """Yield ``(positions, batch results)`` of ``reducer`` on the engine's piece maps of every batch of ``items``
+    (a kind without ``reduce``), each row normalised to sum 1 over the sequence's own keys (padded keys set to 0)."""
+    def step(inp, positions, its):  # inp: input_ids, attention_mask (, token_type_ids): (B, T) each
+        maps = torch.stack(engine.piece_maps(inp["input_ids"], inp["attention_mask"], inp.get("token_type_ids")),
+                           1).float()  # (B, L', H', T, T)
+        n = torch.tensor([e.n_pieces for e in its], device=maps.device)  # (B,)
+        real = torch.arange(maps.shape[-1], device=maps.device)[None, :] < n[:, None]  # (B, T) each one's own keys
+        maps.masked_fill_(~real[:, None, None, None, :], 0.0)
+        maps.div_(maps.sum(-1, keepdim=True).clamp_(min=ROW_SUM_FLOOR))
+        yield list(positions), reduce_maps(reducer, maps, engine.layers, positions, its)
+
+    return engine._iter(items, desc, True, lambda positions, its: pad_encoded(its, engine.pad_id), step)
+
+
+def head_distances(encoder, encoded: Sequence[Encoded], measure: Measure | None = None, device: str = "cpu",
+                   smoothing: float = JS_SMOOTHING, max_tokens: int = 4096, max_batch_size: int = 64,
+                   desc: str = "clustering", dtype: torch.dtype = torch.float32) -> HeadDistanceTotals:
+    """Clustering's computation: the JS distances between all heads and their behaviour statistics over the encoded
+    sequences that fit (longer ones are skipped, logged), batch by batch on the maps' device
+    (:class:`~probes.maps.reducers.HeadDistances` and :class:`~probes.maps.reducers.HeadStats` over one forward).
+
+    Args:
+        encoder: The encoder (``model``, ``tokenizer``, ``max_length``).
+        encoded: The sequences (:func:`~probes.analysis.clark.head_stats.encode_inputs`).
+        measure: The map kind; None: attention, reduced as the engine computes it (no normalisation). Another
+            kind's piece maps have their rows normalised to sum 1.
+        device: Where the model and the maps run.
+        smoothing: Clark's smoothing of the rows before the JS divergence.
+        max_tokens, max_batch_size: Pieces and sequences per batch.
+        desc: The progress bar's label.
+        dtype: The distances' arithmetic (:class:`~probes.maps.reducers.HeadDistances`): float32 (each row's JS
+            to about 1e-7 nats; relative to the distance of two nearly identical heads more), float64 exact to
+            rounding at 2.3 times float32's CPU time.
+    """
+    tok = encoder.tokenizer
+    punct = PunctFlags(tok)
+    reducer = Several(stats=HeadStats(sep=lambda k, e: separator_positions(e), punct=lambda k, e: punct(e.input_ids)),
+                      js=HeadDistances(smoothing, dtype=dtype))
+    engine = MapEngine(encoder.model, Attention() if measure is None else measure, tokenizer=tok, device=device,
+                       max_tokens=max_tokens, max_batch_size=max_batch_size, max_pairs=None)
+    keep = fitting(encoded, encoder.max_length if measure is None else engine.limit())
+    items = [encoded[i] for i in keep]
+    batches = (engine.iter_reduced_batches(items, reducer, desc=desc) if measure is None else
+               _normalised_batches(engine, items, reducer, desc))
+    stats, js = HeadStatsTotals(is_causal(encoder)), None
+    for positions, batch in batches:
+        stats.add_batch(batch["stats"], [items[k].n_pieces for k in positions])
+        total = batch["js"].sum(0)  # (K, K)
+        js = total if js is None else js + total
+    if js is None:
+        K = len(engine.layers) * engine.num_heads
+        js = torch.zeros(K, K, dtype=torch.float64)
+    return HeadDistanceTotals(js, stats, keep, sum(e.n_pieces for e in items))
 
 
 def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
@@ -150,23 +223,16 @@ def clustering(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
     L, H = enc.num_layers, measure.heads(enc.num_heads)
     K = L * H
     sentences = ctx.sentences(split, max_sentences)
-    total = torch.zeros(K, K, dtype=torch.float64)  # (K, K) JS divergences in nats, summed over tokens
-    stats_acc = HeadStatsAccumulator(is_causal(enc))
-    n_tokens, read = 0, []
     encoded, members = encode_inputs(enc.tokenizer, sentences, pairs)
-    first = first_token_name(enc.tokenizer, encoded, stats_acc.causal)  # cls | bos | first
-    maps = sequence_attention(enc, encoded, device=ctx.device, max_tokens=max_tokens, max_batch_size=max_batch_size,
-                              desc="clustering") if kind == "attention" else \
-        wordpiece_maps(enc, measure, encoded, ctx.device, max_tokens, max_batch_size)
-    for i, attn, punct, sep in maps:
-        T = attn.shape[-1]  # attn (L, H, T, T)
-        total += js_divergence_matrix(smooth(attn.reshape(K, T, T), smoothing)).cpu() * LN2
-        stats_acc.add(attn, punct, sep)
-        n_tokens += T
-        read.append(i)
+    first = first_token_name(enc.tokenizer, encoded, is_causal(enc))  # cls | bos | first
+    totals = head_distances(enc, encoded, None if kind == "attention" else measure, ctx.device, smoothing, max_tokens,
+                            max_batch_size)
+    stats_acc, read, n_tokens = totals.stats, totals.read, totals.n_tokens
     read_set = set(read)  # the sequences not read were longer than the encoder's (or the measure's) limit
     counts = SentenceCounts.of(len(sentences), members, [k for k in range(len(encoded)) if k not in read_set], read)
-    dist = total.numpy()
+    dist = totals.js.cpu().numpy()  # (K, K) JS divergences in nats, summed over tokens: the one copy to the host
+    if dist.shape != (K, K):
+        raise RuntimeError(f"clustering: distances of {dist.shape[0]} heads, expected {L} layers x {H} maps = {K}")
     la, ha = np.divmod(np.arange(K), H)
     js = pd.DataFrame(dict(layer_a=np.repeat(la, K), head_a=np.repeat(ha, K), layer_b=np.tile(la, K),
                            head_b=np.tile(ha, K), js=dist.reshape(-1), js_per_token=dist.reshape(-1) / max(n_tokens, 1)))
