@@ -400,8 +400,12 @@ class HeadStats(Reducer):
                              ("rest_sep", 1, self.w_rest[:, a:a + q]), ("punct", 2, w_row)):
             if name in want:
                 sums[name][:, l] += mean_rows(to[..., col], w)
-        if want & self._OFFSETS:
+        if want & {"distance", "distance_hist"}:
             self._offsets(l, p, a, lo, valid, w_row, some_padding)
+        else:  # prev / self / next alone: three diagonals of the block
+            for name, off in (("prev", -1), ("self", 0), ("next", 1)):
+                if name in want:
+                    self._diagonal(l, name, p, a - lo + off, w_row)
         if not want & self._ENTROPY:
             return
         # entropy of the smoothed row y = (1 - s) p + s / n = (1 - s) (p + c) over the item's n keys, c = s / (n (1 - s)):
@@ -426,6 +430,18 @@ class HeadStats(Reducer):
             sums["entropy"][:, l] += mean_rows(ent, w_row)
         if "cls_entropy" in want and a == 0:
             sums["cls_entropy"][:, l] += ent[:, :, 0]
+
+    def _diagonal(self, l: int, name: str, p: torch.Tensor, d: int, w_row: torch.Tensor) -> None:
+        """Add the weighted sum over rows of block diagonal ``d`` (entry (r, r + d) of p (B, H, q, c): row a + r's
+        attention to key a + r + offset) to ``name``'s sums."""
+        B, H, q, c = p.shape
+        diag = torch.diagonal(p, offset=d, dim1=-2, dim2=-1)  # (B, H, m): rows max(0, -d) .. of the block
+        if not diag.shape[-1]:
+            return
+        r0 = max(0, -d)
+        w = w_row[:, r0:r0 + diag.shape[-1]]  # (B, m) 0 for padding rows
+        rows = torch.where(w[:, None, :] > 0, diag.double(), 0.0)  # (B, H, m) padding rows set aside
+        self.sums[name][:, l] += (rows * w[:, None, :]).sum(-1)
 
     def _offsets(self, l: int, p: torch.Tensor, a: int, lo: int, valid: torch.Tensor, w_row: torch.Tensor,
                  some_padding: bool) -> None:

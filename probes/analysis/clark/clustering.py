@@ -58,7 +58,7 @@ from sklearn.manifold import MDS
 
 from probes.analysis.clark.head_stats import (SentenceCounts, encode_inputs, first_token_name, fitting,
                                               separator_positions)
-from probes.analysis.clark.metrics import JS_SMOOTHING, HeadStatsTotals, PunctFlags, is_causal
+from probes.analysis.clark.metrics import HEAD_STATS, JS_SMOOTHING, HeadStatsTotals, PunctFlags, is_causal
 from probes.analysis.naming import head_name
 from probes.analysis.plots import layer_ticks
 from probes.maps import HeadDistances, HeadStats, MapEngine, Reducer, Several
@@ -192,7 +192,8 @@ def head_distances(encoder, encoded: Sequence[Encoded], measure: Measure | None 
     """
     tok = encoder.tokenizer
     punct = PunctFlags(tok)
-    reducer = Several(stats=HeadStats(sep=lambda k, e: separator_positions(e), punct=lambda k, e: punct(e.input_ids)),
+    reducer = Several(stats=HeadStats(sep=lambda k, e: separator_positions(e), punct=lambda k, e: punct(e.input_ids),
+                                      stats=HEAD_STATS),
                       js=HeadDistances(smoothing, dtype=dtype))
     engine = MapEngine(encoder.model, Attention() if measure is None else measure, tokenizer=tok, device=device,
                        max_tokens=max_tokens, max_batch_size=max_batch_size, max_pairs=None)

@@ -231,7 +231,8 @@ def sequence_stats(encoder, encoded: Sequence[Encoded], device: str = "cpu", max
     keep = fitting(encoded, encoder.max_length)
     items = [encoded[i] for i in keep]
     punct = PunctFlags(tok)
-    reducer = HeadStats(sep=lambda k, e: separator_positions(e), punct=lambda k, e: punct(e.input_ids))
+    reducer = HeadStats(sep=lambda k, e: separator_positions(e), punct=lambda k, e: punct(e.input_ids),
+                        stats=HEAD_STATS)
     engine = MapEngine(encoder.model, Attention(), tokenizer=tok, device=device, max_tokens=max_tokens,
                        max_batch_size=max_batch_size, max_pairs=None, attention_budget_mb=attention_budget_mb)
     acc = HeadStatsTotals(is_causal(encoder))

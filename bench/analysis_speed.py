@@ -1,0 +1,235 @@
+"""Benchmark: each streamed analysis beside the bare map computation of the same model, precision and inputs, in one
+run (issue 43).
+
+    python bench/analysis_speed.py [--encoder minilm] [--sentences 1000] [--threads 1] [--device cpu|cuda]
+        [--precision 32-true|bf16-mixed] [--analyses head_stats sink] [--rounds 3] [--data-dir DIR] [--out f.json]
+
+Inputs: the first ``--sentences`` sentences of UD EWT dev (``--split``), read as each analysis reads them:
+``head_stats`` Clark's pairs of consecutive sentences of a document (its default input; ``head_stats_single``: each
+sentence alone), ``sink`` the windows of 64 pieces of the split's running text (as many as the sentences' pieces
+fill), ``clustering`` the pairs of head_stats; ``head_stats_loop``: head_stats' pairs through the per-sentence path it had
+before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``), for comparison. ``--encoder`` is a name of ``conf/encoder`` or a model folder (``bert-base-random``: bert-base's shape,
+random weights, the MiniLM tokenizer; no download).
+
+For each analysis, in alternation for ``--rounds`` rounds (the best of each kept), on the same inputs and batches:
+
+* ``bare``: the map computation alone: every layer's attention probabilities computed on the project's attention
+  path (``MapEngine.iter_reduced_batches`` with a reducer that does nothing), what any analysis of the maps pays;
+* the analysis's own computation: ``head_stats``: :func:`probes.analysis.clark.head_stats.sequence_stats` and its
+  result on the host; ``sink``: :func:`probes.analysis.beyond.sink.first_token_alpha`; ``clustering``:
+  :func:`probes.analysis.clark.clustering.head_distances` and its results on the host.
+
+Reported: pieces (tokens) per second of wall time, the analysis's throughput over bare's, CPU seconds (the main
+thread's: with ``--threads 1`` every CPU kernel runs there; the memory sampler's thread is not counted), the CPU-s
+per 1,000 sentences (inputs) the analysis adds to bare's, split into its reductions' tensor operators (the CPU time
+inside the reducers' ``update`` and ``batch_results``, :func:`timed_updates`: on a GPU the device's work) and the rest, its host work
+(flags, batching, Python: what stays on the CPU beside a GPU), the high-water mark of the process's own anonymous
+memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
+(``torch.cuda.max_memory_allocated``). The CPU is named (:func:`probes.machine.cpu_description`) beside the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+import probes  # noqa: E402
+
+from probes.analysis.beyond.sink import first_token_alpha, running_split_text, text_windows  # noqa: E402
+from probes.analysis.clark import head_stats  # noqa: E402
+from probes.analysis.clark.clustering import head_distances  # noqa: E402
+from probes.analysis.clark.metrics import HeadStatsAccumulator, is_causal  # noqa: E402
+from probes.data.conllu import read_conllu  # noqa: E402
+from probes.machine import cpu_description  # noqa: E402
+from probes.maps import MapEngine  # noqa: E402
+from probes.maps.reducers import HeadDistances, HeadStats, Reducer  # noqa: E402
+from probes.measures.attention import Attention  # noqa: E402
+from probes.memory import AnonPeak  # noqa: E402
+from probes.model.load import random_bert  # noqa: E402
+
+ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop")
+
+
+class Nothing(Reducer):
+    """A reducer that keeps nothing: the engine still computes every layer's attention and hands it over."""
+
+    def nbytes(self, layers, heads, positions, items) -> int:
+        return 0
+
+    def start(self, layers, heads, positions, items, T, device) -> None:
+        self._set_layers(layers, heads)
+
+    def update(self, layer, probs, rows, cols) -> None:
+        pass
+
+    def batch_results(self) -> dict:
+        return {}
+
+
+def load(name: str):
+    """The encoder: a conf/encoder name or a folder; ``bert-base-random``: bert-base's shape with random weights and
+    the packaged MiniLM vocabulary (:func:`probes.model.load.random_bert`)."""
+    return random_bert(prefix="bert-base-random") if name == "bert-base-random" else probes.load_encoder(name)
+
+
+@contextlib.contextmanager
+def timed_updates(out: dict):
+    """Time (main thread's CPU) every ``update`` and ``batch_results`` of the reducers while inside: the reductions'
+    tensor operators (on a GPU the device's work), so that the rest of the analysis's CPU beyond bare's is its host
+    work."""
+    originals = {(cls, name): getattr(cls, name) for cls in (HeadStats, HeadDistances)
+                 for name in ("update", "batch_results")}
+
+    def timed(original):
+        def update(self, *args, **kwargs):
+            t = time.thread_time()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                out["reductions_cpu_s"] = out.get("reductions_cpu_s", 0.0) + time.thread_time() - t
+        return update
+
+    for (cls, name), original in originals.items():
+        setattr(cls, name, timed(original))
+    try:
+        yield
+    finally:
+        for (cls, name), original in originals.items():
+            setattr(cls, name, original)
+
+
+@contextlib.contextmanager
+def measured(out: dict, device: str):
+    """Wall seconds, the main thread's CPU seconds, the anonymous-memory peak (MiB) and the CUDA peak (GiB)."""
+    anon = AnonPeak()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    w0, c0 = time.perf_counter(), time.thread_time()
+    yield
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out.update(seconds=time.perf_counter() - w0, cpu_s=time.thread_time() - c0, anon_peak_mib=round(anon.read(), 1))
+    anon.close()
+    if device == "cuda":
+        out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 3)
+
+
+def inputs_of(analysis: str, enc, sentences):
+    """(encoded inputs, the number of sentences they hold) as the analysis reads them."""
+    if analysis == "sink":
+        windows = text_windows(enc.tokenizer, running_split_text(sentences), 64, None, what="the sentences")
+        return windows, len(sentences)
+    encoded, members = head_stats.encode_inputs(enc.tokenizer, sentences,
+                                                analysis in ("head_stats", "clustering", "head_stats_loop"))
+    keep = [k for k, e in enumerate(encoded) if e.n_pieces <= enc.max_length]
+    return [encoded[k] for k in keep], sum(len(members[k]) for k in keep)
+
+
+def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_batch_size: int):
+    if analysis == "sink":
+        return first_token_alpha(enc, items, device, max_batch_size=max_batch_size, max_tokens=max_tokens)
+    if analysis == "head_stats_loop":  # the per-sentence path head_stats had before the reducers, for comparison
+        acc = HeadStatsAccumulator(is_causal(enc))
+        for _, attn, punct, sep in head_stats.sequence_attention(enc, items, device, max_tokens=max_tokens,
+                                                                 max_batch_size=max_batch_size, desc="loop"):
+            acc.add(attn, punct, sep)
+        return acc.result()
+    if analysis == "clustering":
+        totals = head_distances(enc, items, device=device, max_tokens=max_tokens, max_batch_size=max_batch_size)
+        return totals.js.cpu(), totals.stats.result()
+    acc, _, _ = head_stats.sequence_stats(enc, items, device, max_tokens=max_tokens, max_batch_size=max_batch_size)
+    return acc.result()
+
+
+def run_bare(enc, items, device: str, max_tokens: int, max_batch_size: int) -> None:
+    engine = MapEngine(enc.model, Attention(), tokenizer=enc.tokenizer, device=device, max_tokens=max_tokens,
+                       max_batch_size=max_batch_size, max_pairs=None)
+    for _ in engine.iter_reduced_batches(items, Nothing(), desc="bare", progress=False):
+        pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--encoder", default="minilm")
+    ap.add_argument("--sentences", type=int, default=1000)
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    ap.add_argument("--analyses", nargs="+", default=["head_stats", "sink"], choices=ANALYSES)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--data-dir", default=os.environ.get("PROBES_DATA_DIR", str(REPO_ROOT.parent / "shared/data")))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = Path(args.data_dir) / "ud_english_ewt" / f"en_ewt-ud-{args.split}.conllu"
+    sentences = read_conllu(path)[:args.sentences]
+    enc = load(args.encoder)
+    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else None
+    autocast = (torch.autocast(torch.device(args.device).type, dtype=dtype) if dtype is not None
+                else contextlib.nullcontext())
+    machine = cpu_description()
+    print(f"{machine}; torch {torch.__version__}, {args.threads} thread(s); {enc.name} on {args.device}, "
+          f"{args.precision}; {len(sentences)} sentences of {path.name}", flush=True)
+    results = dict(machine=machine, torch=torch.__version__, threads=args.threads, encoder=enc.name,
+                   device=args.device, precision=args.precision, sentences=len(sentences), split=args.split,
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), analyses={})
+    kw = dict(max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
+    with autocast:
+        for analysis in args.analyses:
+            items, n_sentences = inputs_of(analysis, enc, sentences)
+            pieces = sum(e.n_pieces for e in items)
+            run_bare(enc, items[:8], args.device, **kw)  # warm-up
+            best: dict[str, dict] = {}
+            for _ in range(args.rounds):
+                for which in ("bare", analysis):
+                    m: dict = {}
+                    with measured(m, args.device):
+                        if which == "bare":
+                            run_bare(enc, items, args.device, **kw)
+                        else:
+                            with timed_updates(m):
+                                run_analysis(analysis, enc, items, args.device, **kw)
+                    if which not in best or m["cpu_s"] < best[which]["cpu_s"]:
+                        best[which] = m
+            bare, mine = best["bare"], best[analysis]
+            row = dict(inputs=len(items), sentences=n_sentences, pieces=pieces,
+                       bare=dict(bare, tokens_per_s=round(pieces / bare["seconds"])),
+                       analysis=dict(mine, tokens_per_s=round(pieces / mine["seconds"])),
+                       throughput_ratio=round(bare["seconds"] / mine["seconds"], 3),
+                       cpu_ratio=round(bare["cpu_s"] / mine["cpu_s"], 3),
+                       extra_cpu_s_per_1000=round((mine["cpu_s"] - bare["cpu_s"]) / n_sentences * 1000, 3),
+                       reductions_cpu_s_per_1000=round(mine.get("reductions_cpu_s", 0.0) / n_sentences * 1000, 3),
+                       host_cpu_s_per_1000=round((mine["cpu_s"] - bare["cpu_s"] - mine.get("reductions_cpu_s", 0.0))
+                                                 / n_sentences * 1000, 3))
+            results["analyses"][analysis] = row
+            print(f"{analysis}: {len(items)} inputs ({n_sentences} sentences, {pieces} pieces); bare "
+                  f"{row['bare']['tokens_per_s']} tok/s ({bare['cpu_s']:.2f} CPU-s, anon peak "
+                  f"{bare['anon_peak_mib']} MiB); {analysis} {row['analysis']['tokens_per_s']} tok/s "
+                  f"({mine['cpu_s']:.2f} CPU-s, anon peak {mine['anon_peak_mib']} MiB): throughput "
+                  f"{row['throughput_ratio']:.1%} of bare (CPU {row['cpu_ratio']:.1%}), "
+                  f"{row['extra_cpu_s_per_1000']:+} CPU-s per 1,000 sentences: reductions' tensor operators "
+                  f"{row['reductions_cpu_s_per_1000']}, host work {row['host_cpu_s_per_1000']:+}" + (f"; GPU peak {mine.get('gpu_peak_gib')} GiB"
+                                                      if args.device == "cuda" else ""), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
