@@ -2,7 +2,7 @@
 
     python bench/extract_speed.py [--encoder minilm|bert-base-random|<hub id or path>] [--split dev]
         [--sentences N] [--device auto|cpu|cuda] [--precision 32-true bf16-mixed ... auto] [--rounds R]
-        [--threads N] [--out results.json] [--check]
+        [--loop auto|own|lightning ...] [--cache-dir DIR] [--threads N] [--out results.json] [--check]
 
 Prints, side by side: the plain loop's tokens/s (transformers forward with ``output_attentions``, one
 sentence at a time, fp32), the extractor at each explicit precision and at ``auto`` (and what ``auto``
@@ -15,8 +15,13 @@ fastest run and each dtype's best peak are reported. Timed: tokenization, forwar
 writing (extractor: the whole `extract` call, Trainer setup included; `auto`: also choosing the precision,
 measured as on a first run). Not timed: imports, model loading, data reading. Below the table, where each
 extractor side's CPU time goes (:mod:`probes.maps.timing`: tokenizing, batching, the forward's matmuls, softmax and
-other operators, pooling, device->host copies, writing, the rest per batch), the host-only share a GPU would leave
-and the cache's write rate. See bench/README.md.
+other operators, pooling, device->host copies, writing, the rest per batch), the host work outside the forward per
+1,000 sentences (with and without tokenizing, which a process's later extraction of the same split reuses; also
+measured directly, by extractions that replay the recorded word maps instead of computing them), the
+host-only share a GPU would leave, and the extraction's rate into the cache beside the cache folder's own write rate,
+measured after every timed run in the same folder (the entry's bytes in the writer's block size, one fsync). Every
+timed run tokenizes (the kept tokenization is dropped before it). ``--loop`` runs the extraction through the stage's
+own loop (``auto``, ``own``) or Lightning's predict loop (``lightning``), one side each. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -183,12 +188,32 @@ def make_trainer(accelerator: str, precision: str):
                              enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
 
 
-def run_extract(encoder, sentences, device: str, precision: str, cache_dir: str, tag: str):
+def run_extract(encoder, sentences, device: str, precision: str, cache_dir: str, tag: str, loop: str = "auto"):
     from probes.extract.stage import extract
 
     key = dict(encoder=encoder.name, fingerprint=encoder.fingerprint, dataset="ud_english_ewt", split=tag,
                precision=precision, device=device, n=len(sentences), nonce=uuid.uuid4().hex)
-    return extract(encoder, sentences, key, cache_dir, make_trainer("gpu" if device == "cuda" else "cpu", precision))
+    return extract(encoder, sentences, key, cache_dir, make_trainer("gpu" if device == "cuda" else "cpu", precision),
+                   loop=loop)
+
+
+def folder_write_rate(folder: str | Path, n_bytes: int, block: int) -> dict:
+    """What the cache folder takes: ``n_bytes`` written to a new file in ``folder`` in ``block``-byte writes (the
+    cache writer's pattern: one write per batch), then one ``fsync``, as the entry's shard is; wall seconds and MB/s
+    (the file is removed after)."""
+    block = max(1, min(int(block), int(n_bytes)))
+    data = memoryview(os.urandom(block))
+    path = Path(folder) / f"write-rate-{uuid.uuid4().hex}.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        left = int(n_bytes)
+        while left > 0:
+            left -= f.write(data[:min(block, left)])
+        f.flush()
+        os.fsync(f.fileno())
+    wall = time.perf_counter() - t0
+    path.unlink()
+    return dict(bytes=int(n_bytes), block=block, wall_s=wall, mb_per_s=n_bytes / wall / 1e6)
 
 
 def child(side: str, args: dict, precision: str | None, commands, results) -> None:
@@ -204,6 +229,7 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
         if args.get("threads"):
             torch.set_num_threads(args["threads"])
         device = resolve_device(args["device"])
+        loop = args.get("loop", "auto")
         sentences = load_words(args["split"], args["sentences"], args["data_dir"])
         encoder = load_bench_encoder(args["encoder"])
         encoder.model  # weights may load lazily on first access: load them before the clock starts
@@ -211,7 +237,7 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         warm = sentences[:args.get("warmup", 0)]
         out: dict = {}
-        with tempfile.TemporaryDirectory(prefix="extract-bench-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="extract-bench-", dir=args.get("cache_dir")) as tmp:
             if side == "plain":
                 model = encoder.model.to(device)  # fp32 on either device
                 plain_loop(model, encoder.tokenizer, warm, device, encoder.max_length)  # untimed warm-up
@@ -223,7 +249,16 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
 
                 if warm:  # untimed warm-up (auto: at its first candidate, so the timed run still chooses)
                     first = candidates(device)[0] if precision == "auto" else precision
-                    run_extract(encoder, warm, device, first, tmp, args["split"] + "-warmup")
+                    run_extract(encoder, warm, device, first, tmp, args["split"] + "-warmup", loop)
+
+                def forget() -> None:  # untimed: every timed run tokenizes, as a process's first extraction of a split
+                    from probes.extract.stage import forget_splits
+
+                    forget_splits()
+
+                def after() -> None:  # untimed: the cache folder's write rate, measured beside each run
+                    m = out["cache"].manifest
+                    out["folder"] = folder_write_rate(tmp, int(m["bytes"]), int(m["bytes"]) // max(1, out["batches"]))
 
                 def run() -> None:
                     store = tempfile.mkdtemp(dir=tmp)  # auto: an empty precision.json, as on a first run
@@ -236,19 +271,26 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
                         if "cache" in out:  # the previous run's entry: free the disk before writing the next
                             with stage("bench: removing the previous entry"):
                                 shutil.rmtree(out["cache"].path, ignore_errors=True)
-                        out["cache"] = run_extract(encoder, sentences, device, chosen, tmp, args["split"])
+                        out["cache"] = run_extract(encoder, sentences, device, chosen, tmp, args["split"], loop)
                     out["stages"] = times.as_dict()
+                    out["batches"] = out["stages"].get("forward", {}).get("calls", 1)
                     out["chosen"] = chosen
 
             results.put(dict(side=side, ready=True))
             while commands.get() == "run":
+                if side != "plain":
+                    forget()
                 sync()
                 c0, t0 = time.process_time(), time.perf_counter()
                 run()
                 sync()
-                results.put(dict(side=side, wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0,
-                                 stages=out.pop("stages", None), choose_cpu_s=out.pop("choose_cpu_s", 0.0)))
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if side != "plain":
+                    after()
+                results.put(dict(side=side, wall_s=wall, cpu_s=cpu, stages=out.pop("stages", None),
+                                 choose_cpu_s=out.pop("choose_cpu_s", 0.0), folder=out.pop("folder", None)))
 
+            res["peak_rss_kib"] = peak_rss_kib()  # of the timed runs (the profiled and host-only runs come after)
             if side == "plain":
                 n_sent, lengths, n_bytes, _ = out["r"]
                 res.update(precision="32-true", sentences=n_sent, tokens=sum(lengths), map_bytes=n_bytes,
@@ -258,14 +300,14 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
 
                 cache = out["cache"]
                 m = cache.manifest
-                res["profile"] = profiled_run(encoder, sentences, device, out["chosen"], tmp, args["split"])
+                res["profile"] = profiled_run(encoder, sentences, device, out["chosen"], tmp, args["split"], loop)
+                res["host_only"] = host_only_run(encoder, sentences, device, out["chosen"], tmp, args["split"], loop)
                 lengths = [e.n_pieces for i, e in enumerate(encode_words(encoder.tokenizer, sentences)) if i in cache]
-                res.update(precision=out["chosen"], requested=precision, choose_s=min(out["choose_s"]),
+                res.update(precision=out["chosen"], requested=precision, loop=loop, choose_s=min(out["choose_s"]),
                            choose_s_per_run=out["choose_s"],
                            sentences=m["n_sentences"] - len(m["skipped"]), tokens=int(m["n_pieces"]),
                            flops=sum(flops_per_sentence(encoder.config, T, True) for T in lengths),
                            cache_bytes=int(m["bytes"]), map_bytes=None)
-        res["peak_rss_kib"] = peak_rss_kib()
         if device == "cuda":
             res["gpu_peak_alloc_bytes"] = int(torch.cuda.max_memory_allocated())
         results.put(res)
@@ -275,19 +317,74 @@ def child(side: str, args: dict, precision: str | None, commands, results) -> No
         results.put(dict(side=side, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
 
 
-def profiled_run(encoder, sentences, device: str, precision: str, tmp: str, split: str) -> dict:
+def profiled_run(encoder, sentences, device: str, precision: str, tmp: str, split: str, loop: str = "auto") -> dict:
     """One more extraction (at the chosen precision, untimed by the rounds) under ``torch.profiler``: the operators'
     self time per stage and group (:func:`probes.maps.timing.op_groups`), which splits the forward's CPU time into
     matmuls, softmax, the other operators, and Python and dispatch between them."""
     import torch
 
+    from probes.extract.stage import forget_splits
+
     acts = [torch.profiler.ProfilerActivity.CPU]
+    forget_splits()
     c0 = time.process_time()
     with measuring() as times, torch.profiler.profile(activities=acts) as prof:
-        cache = run_extract(encoder, sentences, device, precision, tmp, split + "-profiled")
+        cache = run_extract(encoder, sentences, device, precision, tmp, split + "-profiled", loop)
     cpu = time.process_time() - c0
     shutil.rmtree(cache.path, ignore_errors=True)
     return dict(cpu_s=cpu, stages=times.as_dict(), groups=op_groups(prof.events()))
+
+
+def host_only_run(encoder, sentences, device: str, precision: str, tmp: str, split: str, loop: str = "auto",
+                  repeats: int = 5) -> dict:
+    """The host's work beside the forward, measured directly: one extraction records the engine's word maps of every
+    batch (forward and pooling), then ``repeats`` extractions replay them instead of computing them (everything else
+    as in a timed run: the Trainer, tokenizing, batching, the loop, copies, writing, finishing), each tokenizing the
+    split as a first extraction does, and ``repeats`` more reusing the tokenization (a later extraction of the split in
+    the process); the least process CPU time of each (every run's kept: their mean includes the garbage collections
+    that the least may have missed), and the stages of the least."""
+    import torch
+
+    from probes.extract.stage import forget_splits
+    from probes.maps import MapEngine
+
+    recorded: dict[tuple, torch.Tensor] = {}
+    compute = MapEngine.word_maps
+
+    def record(self, batch, *args, **kwargs):
+        maps = compute(self, batch, *args, **kwargs)  # (B, L', H', W, W)
+        recorded[tuple(batch["index"].tolist())] = maps.clone()
+        return maps
+
+    def replay(self, batch, *args, **kwargs):
+        return recorded[tuple(batch["index"].tolist())]
+
+    def runs(forget: bool) -> tuple[list[float], dict]:
+        best, stages, cpus = float("inf"), {}, []
+        for _ in range(repeats):
+            if forget:
+                forget_splits()
+            c0 = time.process_time()
+            with measuring() as times:
+                cache = run_extract(encoder, sentences, device, precision, tmp, split + "-host", loop)
+            cpu = time.process_time() - c0
+            shutil.rmtree(cache.path, ignore_errors=True)
+            cpus.append(cpu)
+            if cpu < best:
+                best, stages = cpu, times.as_dict()
+        return cpus, stages
+
+    try:
+        MapEngine.word_maps = record
+        shutil.rmtree(run_extract(encoder, sentences, device, precision, tmp, split + "-record", loop).path)
+        MapEngine.word_maps = replay
+        first, first_stages = runs(forget=True)
+        reused, reused_stages = runs(forget=False)
+    finally:
+        MapEngine.word_maps = compute
+    return dict(repeats=repeats, cpu_s=min(first), cpus_s=first, stages=first_stages,
+                cpu_s_tokenization_reused=min(reused), cpus_s_tokenization_reused=reused,
+                stages_tokenization_reused=reused_stages)
 
 
 def machine_busy_s() -> float:
@@ -302,21 +399,25 @@ def machine_busy_s() -> float:
 class Worker:
     """The parent's handle on one :func:`child`."""
 
-    def __init__(self, side: str, args: dict, precision: str | None = None):
+    def __init__(self, side: str, args: dict, precision: str | None = None, loop: str = "auto"):
         ctx = mp.get_context("spawn")
-        self.side, self.precision = side, precision
+        self.side, self.precision, self.loop = side, precision, loop
         self.commands, self.results = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=child, args=(side, args, precision, self.commands, self.results))
+        self.process = ctx.Process(target=child, args=(side, dict(args, loop=loop), precision, self.commands,
+                                                       self.results))
         self.process.start()
         self.walls: list[float] = []
         self.cpus: list[float] = []  # CPU seconds of the side's process during each run
         self.others: list[float] = []
         self.stages: list[dict | None] = []  # each run's stage times (extractor sides)
         self.choose_cpu: list[float] = []
+        self.folders: list[dict | None] = []  # the cache folder's write rate measured after each run
 
     @property
     def name(self) -> str:
-        return "plain" if self.side == "plain" else f"extract({self.precision})"
+        if self.side == "plain":
+            return "plain"
+        return f"extract({self.precision}" + (f", {self.loop} loop)" if self.loop != "auto" else ")")
 
     def get(self) -> dict:
         res = self.results.get()
@@ -335,6 +436,7 @@ class Worker:
         self.cpus.append(r["cpu_s"])
         self.stages.append(r.get("stages"))
         self.choose_cpu.append(r.get("choose_cpu_s", 0.0))
+        self.folders.append(r.get("folder"))
         self.others.append(max(0.0, busy - r["cpu_s"]) / (r["wall_s"] * (os.cpu_count() or 1)))
         return r["wall_s"]
 
@@ -344,9 +446,11 @@ class Worker:
         self.process.join()
         best = min(range(len(self.walls)), key=self.walls.__getitem__)
         least = min(range(len(self.cpus)), key=self.cpus.__getitem__)  # the run whose stages are reported
+        rates = [f for f in self.folders if f]  # the folder's rate measured right after the fastest run is reported
         return dict(res, wall_s=self.walls[best], walls_s=self.walls, cpu_s=self.cpus[least], cpus_s=self.cpus,
                     others_cpu_fraction=self.others[best], others_cpu_fractions=self.others,
-                    stages=self.stages[least], choose_cpu_s=self.choose_cpu[least])
+                    stages=self.stages[least], choose_cpu_s=self.choose_cpu[least],
+                    folder_write=self.folders[best] if rates else None, folder_writes=self.folders)
 
 
 # ----------------------------------------------------------------------------- --check
@@ -417,9 +521,11 @@ def machine() -> dict:
     import torch
 
     from probes.extract.precision import cpu_has_bf16
+    from probes.machine import cpu_description
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return dict(cpu=cpu_model(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
+    return dict(cpu=cpu_model(), cpu_description=cpu_description(), cores=os.cpu_count(),
+                torch_threads=torch.get_num_threads(), torch=torch.__version__,
                 cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_native_bf16=cpu_has_bf16(),
                 gpu=gpu, python=platform.python_version(), loadavg_1min_at_start=os.getloadavg()[0])
 
@@ -431,7 +537,8 @@ def table(rows: list[dict], peaks: dict) -> str:
     body = []
     for r in rows:
         name = "plain HF loop" if r["side"] == "plain" else (
-            f"extract auto -> {r['precision']}" if r.get("requested") == "auto" else "extract")
+            f"extract auto -> {r['precision']}" if r.get("requested") == "auto" else "extract") + (
+            f" ({r['loop']} loop)" if r.get("loop", "auto") != "auto" else "")
         peak = peaks.get(PEAK_DTYPE.get(r["precision"], ""))
         frac = f"{r['flops'] / r['wall_s'] / peak['flops_per_s']:.0%} ({peak['dtype']})" if peak else "-"
         body.append([name, r["precision"], f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / base:.2f}",
@@ -450,12 +557,14 @@ STAGE_ROWS = [("tokenizing", ("tokenize",)), ("batching (padding, pooling matric
               ("writing the cache (slices, CRC-32, writes)", ("write",)),
               ("finishing the entry (fsync, index, manifest, rename)", ("finalize",)),
               ("bench: removing the previous run's entry", ("bench: removing the previous entry",))]
+REST = "the loop, the Trainer, Python per batch (the rest)"  # Lightning's predict loop or the stage's own
 FORWARD_ROWS = [("forward: matmuls (projections, scores, A @ V)", "matmul"),
                 ("forward: softmax", "softmax"),
                 ("forward: the rest (LayerNorm, GELU, adds, copies, masks)", "other"),
                 ("forward: Python and dispatch between operators", "python")]
-HOST_ONLY = ("tokenizing", "batching", "device->host", "writing", "finishing", "forward: Python", "Lightning",
-             "choosing")
+HOST_ONLY = ("tokenizing", "batching", "device->host", "writing", "finishing", "forward: Python", REST, "choosing")
+# what the host does besides the engine's forward and word pooling (which a GPU runs) and the bench's own clean-up
+OUTSIDE = ("tokenizing", "batching", "device->host", "writing", "finishing", REST)
 BEHIND = ("batching", "writing")  # host work that the GPU path runs in background threads
 
 
@@ -477,14 +586,28 @@ def breakdown(row: dict, peak: dict | None) -> dict:
     rows += [(label, cpu(names)) for label, names in STAGE_ROWS[2:]]
     rest = row["cpu_s"] - sum(c for _, c in rows)
     n_batches = st.get("forward", {}).get("calls", 0)
-    rows.append(("Lightning loop, Trainer, Python per batch (the rest)", rest))
+    rows.append((REST, rest))
     matmul_s = dict(rows)[FORWARD_ROWS[0][0]]
     writes = [st.get(n, {}) for n in ("write", "finalize")]
     write_wall = sum(w.get("wall_s", 0.0) for w in writes)
     host = sum(c for label, c in rows if label.startswith(HOST_ONLY))
     main = host - sum(c for label, c in rows if label.startswith(BEHIND))  # what the GPU path leaves on the main thread
     per_k = 1000 / max(1, row["sentences"])
-    return dict(rows=rows, n_batches=n_batches, rest_per_batch_s=rest / max(1, n_batches),
+    outside = sum(c for label, c in rows if label.startswith(OUTSIDE))
+    tokenizing = dict(rows).get(STAGE_ROWS[0][0], 0.0)
+    folder = row.get("folder_write") or {}
+    into_cache = (row.get("cache_bytes") or 0) / row["wall_s"] / 1e6  # the entry's bytes over the run's wall time
+    direct = row.get("host_only") or {}
+    return dict(rows=rows,
+                host_only_measured_cpu_s_per_1000_sentences=direct["cpu_s"] * per_k if direct else None,
+                host_only_measured_tokenization_reused_cpu_s_per_1000_sentences=(
+                    direct["cpu_s_tokenization_reused"] * per_k if direct else None),
+                outside_forward_cpu_s=outside, outside_forward_cpu_s_per_1000_sentences=outside * per_k,
+                outside_forward_without_tokenizing_cpu_s_per_1000_sentences=(outside - tokenizing) * per_k,
+                tokenizing_cpu_s_per_1000_sentences=tokenizing * per_k,
+                extraction_into_cache_mb_per_s=into_cache, folder_write_mb_per_s=folder.get("mb_per_s"),
+                extraction_of_folder_rate=into_cache / folder["mb_per_s"] if folder.get("mb_per_s") else None,
+                n_batches=n_batches, rest_per_batch_s=rest / max(1, n_batches),
                 matmul_cpu_s=matmul_s,
                 matmul_fraction_of_peak=(row["flops"] / matmul_s / peak["flops_per_cpu_s"]
                                          if peak and matmul_s > 0 else None),
@@ -499,7 +622,8 @@ def breakdown(row: dict, peak: dict | None) -> dict:
 
 def breakdown_table(row: dict, b: dict, peak: dict | None) -> str:
     """The breakdown as text: seconds and shares, with the matmul-peak ratios beside."""
-    name = f"extract {row['precision']}" + (" (auto)" if row.get("requested") == "auto" else "")
+    name = f"extract {row['precision']}" + (" (auto)" if row.get("requested") == "auto" else "") + (
+        f" ({row['loop']} loop)" if row.get("loop", "auto") != "auto" else "")
     w = max(len(label) for label, _ in b["rows"])
     profiled = f", that run {b['profiled_cpu_s']:.2f} CPU-s" if b["profiled_cpu_s"] else ""
     lines = [f"where the CPU time of {name} goes (its least-CPU run, {row['cpu_s']:.2f} CPU-s, {b['n_batches']} "
@@ -512,8 +636,26 @@ def breakdown_table(row: dict, b: dict, peak: dict | None) -> str:
         lines.append(f"  useful FLOPs over the matmuls' CPU time: {b['matmul_fraction_of_peak']:.0%} of the "
                      f"{peak['dtype']} matmul peak (the whole run: {row['fraction_of_matmul_peak_cpu_time']:.0%}); "
                      f"the rest per batch {1e3 * b['rest_per_batch_s']:.1f} ms")
+    lines.append(f"  host work outside the forward (tokenizing, batching, copies, writing, finishing, the loop; not "
+                 f"the forward and word pooling, which a GPU runs): "
+                 f"{b['outside_forward_cpu_s_per_1000_sentences']:.3f} CPU-s per 1,000 sentences; without tokenizing "
+                 f"(reused from the process's earlier extraction of the split) "
+                 f"{b['outside_forward_without_tokenizing_cpu_s_per_1000_sentences']:.3f}; tokenizing "
+                 f"{b['tokenizing_cpu_s_per_1000_sentences']:.3f} (its main thread's part: the tokenizer's own threads "
+                 f"are in the rest)")
+    if b["host_only_measured_cpu_s_per_1000_sentences"] is not None:
+        h = row["host_only"]
+        per_k = lambda cpus: sum(cpus) / len(cpus) * 1000 / max(1, row["sentences"])  # noqa: E731
+        tok = h["stages"].get("tokenize", {}).get("cpu_s", 0.0)
+        lines.append(f"  measured directly (the forward and pooling replayed from a recorded run, everything else run, "
+                     f"least of {h['repeats']}): {b['host_only_measured_cpu_s_per_1000_sentences']:.3f} CPU-s per "
+                     f"1,000 sentences (mean {per_k(h['cpus_s']):.3f}), tokenizing "
+                     f"{tok * 1000 / max(1, row['sentences']):.3f} of it (its main thread's part); with the split's "
+                     f"tokenization reused "
+                     f"{b['host_only_measured_tokenization_reused_cpu_s_per_1000_sentences']:.3f} (mean "
+                     f"{per_k(h['cpus_s_tokenization_reused']):.3f})")
     lines.append(f"  host-only work (tokenizing, batching, copies, writing, finishing, the forward's Python and "
-                 f"dispatch, the Lightning loop{', choosing' if row.get('requested') == 'auto' else ''}): "
+                 f"dispatch, the loop{', choosing' if row.get('requested') == 'auto' else ''}): "
                  f"{b['host_cpu_s']:.2f} CPU-s, {b['host_cpu_s_per_1000_sentences']:.2f} per 1,000 sentences: "
                  f"on a GPU the host alone allows at most {b['host_bound_tokens_per_s']:,.0f} tok/s without overlap; "
                  f"with batching and writing in background threads (the GPU path) the main thread keeps "
@@ -522,6 +664,13 @@ def breakdown_table(row: dict, b: dict, peak: dict | None) -> str:
     if b["write_mb_per_s"]:
         lines.append(f"  cache written at {b['write_mb_per_s']:.0f} MB/s ({row['cache_bytes'] / 1e6:.1f} MB in "
                      f"{b['write_wall_s']:.2f} s wall, writing and finishing)")
+    if b["folder_write_mb_per_s"]:
+        f = row["folder_write"]
+        lines.append(f"  extraction into the cache {b['extraction_into_cache_mb_per_s']:.1f} MB/s (the entry's "
+                     f"{row['cache_bytes'] / 1e6:.1f} MB over the run's {row['wall_s']:.2f} s wall) = "
+                     f"{b['extraction_of_folder_rate']:.1%} of the cache folder's write rate measured right after "
+                     f"that run, {b['folder_write_mb_per_s']:.0f} MB/s ({f['bytes'] / 1e6:.1f} MB in "
+                     f"{f['block'] / 1e6:.2f} MB writes and one fsync, {f['wall_s']:.3f} s)")
     return "\n".join(lines)
 
 
@@ -542,6 +691,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", nargs="+", default=None,
                     help="extractor precisions, each a separate run (default: every explicit candidate of the "
                          "device - cpu: 32-true bf16-mixed; cuda: 16-mixed bf16-mixed 32-true - then auto)")
+    ap.add_argument("--loop", nargs="+", default=["auto"], choices=["auto", "own", "lightning"],
+                    help="the extraction's loop, one side each per precision (extract(loop=...)): auto (the stage's "
+                         "own loop on one device), own, lightning (Lightning's predict loop); default auto")
+    ap.add_argument("--cache-dir", default=None,
+                    help="where each side's cache entries (and the folder's write-rate file) go: a temporary folder "
+                         "made inside it (default: the system's temporary folder)")
     ap.add_argument("--precision-margin", type=float, default=1.3,
                     help="auto: the speed-up over 32-true another precision needs (extract.precision_margin)")
     ap.add_argument("--data-dir", default=os.environ.get("PROBES_DATA_DIR") or str(DEFAULT_DATA_DIR))
@@ -558,17 +713,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     args = dict(encoder=a.encoder, split=a.split, sentences=a.sentences or None, device=a.device, data_dir=a.data_dir,
-                warmup=a.warmup, threads=a.threads, precision_margin=a.precision_margin)
+                warmup=a.warmup, threads=a.threads, precision_margin=a.precision_margin, cache_dir=a.cache_dir)
     info = machine()
-    print(f"machine: CPU {info['cpu']} ({info['cores']} logical CPUs, torch threads {info['torch_threads']}, "
-          f"{info['cpu_capability']}, native bf16: {'yes' if info['cpu_native_bf16'] else 'no'}), "
+    print(f"machine: CPU {info['cpu_description']}, {info['cores']} logical CPUs, torch threads "
+          f"{info['torch_threads']} ({info['cpu_capability']}, native bf16: "
+          f"{'yes' if info['cpu_native_bf16'] else 'no'}), "
           f"GPU: {info['gpu'] or 'none'}, torch {info['torch']}; load average {info['loadavg_1min_at_start']:.2f}")
     print(f"encoder: {a.encoder}; data: UD EWT {a.split}" + (f", first {a.sentences} sentences" if a.sentences else "")
           + f"; device {device}; plain loop: fp32, one sentence at a time; each side in its own process: untimed "
           f"warm-up on the first {a.warmup} sentences, then up to {a.rounds} rounds (no new round after {a.budget:g} s) "
           f"that time the matmul peaks and run every side once, interleaved; best of the rounds reported", flush=True)
 
-    workers = [Worker("plain", args)] + [Worker("extract", args, p) for p in precisions]
+    workers = [Worker("plain", args)] + [Worker("extract", args, p, loop) for p in precisions for loop in a.loop]
     for w in workers:  # loading and warm-up, all at once (untimed)
         w.get()
     dtypes = ["fp32", "fp16", "bf16"] if device == "cuda" else ["fp32", "bf16"]

@@ -154,6 +154,7 @@ class ShardWriter:
         self._rows: list[tuple[int, int, int]] = []
         self._offset = 0
         self._crc, self._bytes = 0, 0
+        self._buf = np.empty(0, dtype=np.float16)  # write_many's batch buffer
 
     def _put(self, block: np.ndarray) -> None:
         """Append ``block``'s bytes (no intermediate copy) and fold them into the shard's CRC-32."""
@@ -169,7 +170,28 @@ class ShardWriter:
         self._rows.append((sentence_index, self._offset, maps.shape[-1]))
         self._offset += maps.size
 
+    def write_many(self, items: list[tuple[int, np.ndarray]]) -> None:
+        """Append several sentences' maps ((sentence index, (L, H, W, W) float16) each, in order) as one contiguous
+        write: the bytes, index rows and CRC-32 of :meth:`write` called on each in turn."""
+        if not items:
+            return
+        sizes = [m.size for _, m in items]
+        total = sum(sizes)
+        if self._buf.size < total:  # kept from batch to batch: no new pages to fault in at every write
+            self._buf = np.empty(total, dtype=np.float16)
+        buf = self._buf[:total]  # (sum of L*H*W*W,) the batch's blocks back to back
+        at = 0
+        for (i, m), n in zip(items, sizes):
+            assert m.dtype == np.float16 and m.shape[-1] == m.shape[-2], \
+                f"sentence {i}: expected square float16 maps (L, H, W, W), got {m.dtype} {m.shape}"
+            buf[at:at + n].reshape(m.shape)[...] = m  # one copy of the (strided) block
+            self._rows.append((i, self._offset + at, m.shape[-1]))
+            at += n
+        self._put(buf)
+        self._offset += at
+
     def close(self) -> None:
+        self._buf = np.empty(0, dtype=np.float16)
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()

@@ -1,32 +1,99 @@
-"""Extraction stage on Lightning's predict loop: batches by length, shards under DDP, atomic cache.
+"""Extraction stage: batches by length, the map engine's word maps, an atomic keyed cache entry.
 
 The maps come from the map engine (:class:`probes.maps.MapEngine`: the measure's piece maps of the chosen layers,
-pooled to words); :class:`AttentionExtractor` runs it as a predict-only LightningModule and
-:class:`probes.extract.writer.CacheWriter` writes each rank's shard of the entry.
+pooled to words) and :class:`probes.extract.writer.CacheWriter` writes the entry. On one device in one process the
+stage runs its own loop (:func:`predict_loop`: the next batch built in a background thread, the maps written in
+another, none of Lightning's per-batch machinery); several devices or processes (DDP: one shard per rank), or a
+Trainer with callbacks, plugins or limits of its own, run :class:`AttentionExtractor` through Lightning's predict
+loop (:func:`own_loop_device` says which). The entries are byte for byte the same either way.
+
+A split's tokenization is kept for the rest of the process (:func:`encode_split`): extracting it again (another map
+kind, precision or layer selection) reuses it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
+import hashlib
 import logging
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import Checkpoint, ModelSummary, ProgressBar
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.profilers import PassThroughProfiler
+from pytorch_lightning.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from probes.extract import cache
 from probes.extract.writer import CacheWriter, extraction_peer
-from probes.maps import MapEngine, encode_all
+from probes.maps import MapEngine, SentenceBatches, encode_all, prefetched
 from probes.measures import build
 from probes.memory import reusable_heap
 from probes.model.frozen import compute_in
 from probes.model.inputs import Encoded
 from probes.model.load import Encoder
-from probes.progress import ProgressCallback
+from probes.progress import Progress, ProgressCallback
 
 log = logging.getLogger(__name__)
+
+LOOPS = ("auto", "own", "lightning")  # extract(loop=...): the stage's own loop where it can run, always, or never
+# callbacks that do nothing in predict but draw a bar: the stage's own loop draws its own
+PASSIVE_CALLBACKS = (CacheWriter, ProgressCallback, ProgressBar, ModelSummary, Checkpoint)
+BATCHES_AHEAD = 2  # batches built ahead of the forward (own loop)
+KEEP_SPLITS = 3  # tokenized splits kept per tokenizer for reuse (encode_split): train, dev, test
+
+# {tokenizer: {digest of the sentences: their Encoded}}, the last KEEP_SPLITS used first out
+_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Trainers without callbacks made by plain partial constructors, by the constructor and its arguments (probe_trainer)
+_PROBES: dict[str, pl.Trainer] = {}
+PLAIN = (str, int, float, bool, type(None))  # argument values a probe Trainer is kept for
+
+
+def _digest(tokenizer, sentences: Sequence[Sequence[str]]) -> str:
+    """sha256 of the sentences' words (unit and record separators between them) and the tokenizer's size (added
+    tokens change the pieces)."""
+    h = hashlib.sha256(f"{type(tokenizer).__name__}:{len(tokenizer)}\x1d".encode())
+    h.update("\x1e".join("\x1f".join(words) for words in sentences).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def encode_split(tokenizer, sentences: list[list[str]]) -> list[Encoded]:
+    """:func:`probes.maps.encode_all` of ``sentences``, tokenized once per process and ``tokenizer`` and reused
+    after (the last :data:`KEEP_SPLITS` splits per tokenizer; the same :class:`Encoded` objects, not to be
+    modified), with Python's garbage collector paused while tokenizing."""
+    digest = _digest(tokenizer, sentences)
+    kept = _SPLITS.setdefault(tokenizer, OrderedDict())
+    if digest in kept:
+        kept.move_to_end(digest)
+        return list(kept[digest])
+    collecting = gc.isenabled()
+    # no collection while tokenizing: its many short-lived lists and tuples are freed before any collection sees
+    # them, instead of being promoted to the oldest generation, whose collections scan every object of the process
+    # (about 0.25 s with a model loaded, every few splits tokenized: bench/README.md)
+    gc.disable()
+    try:
+        encoded = encode_all(tokenizer, sentences)
+    finally:
+        if collecting:
+            gc.enable()
+    kept[digest] = encoded
+    while len(kept) > KEEP_SPLITS:
+        kept.popitem(last=False)
+    return list(encoded)
+
+
+def forget_splits() -> None:
+    """Drop every kept tokenization (:func:`encode_split`): the next extraction of any split tokenizes it again."""
+    _SPLITS.clear()
 
 
 class AttentionExtractor(pl.LightningModule):
@@ -47,6 +114,97 @@ class AttentionExtractor(pl.LightningModule):
         maps = self.engine.word_maps(batch)  # (B, L', H', W, W) float16
         # on the batch's device: the writer copies them to the host (asynchronously from a GPU)
         return dict(maps=maps, index=batch["index"], n_words=batch["n_words"])
+
+
+def probe_trainer(trainer: Callable[..., pl.Trainer]) -> pl.Trainer | None:
+    """``trainer()`` (no callbacks of the stage's), made once per process for a ``functools.partial`` (Hydra's
+    included) whose arguments are plain keywords (strings, numbers, None), and kept: what :func:`own_loop_device`
+    reads and the stage's own loop needs (device, precision plugin, bar) without constructing a Trainer per
+    extraction (a Trainer scans the installed packages for callbacks: 12-16 ms on a 2-vCPU EPYC). None for any
+    other constructor (a function that may add callbacks: the stage builds its Trainer with its callbacks and asks
+    that one)."""
+    if not isinstance(trainer, functools.partial) or trainer.args or "callbacks" in trainer.keywords \
+            or not all(isinstance(v, PLAIN) for v in trainer.keywords.values()):
+        return None
+    key = repr((type(trainer), trainer.func, sorted(trainer.keywords.items())))
+    if key not in _PROBES:
+        _PROBES[key] = trainer()
+    return _PROBES[key]
+
+
+def own_loop_device(t: pl.Trainer) -> tuple[torch.device | None, str]:
+    """(device, "") when the stage's own loop can stand in for ``t.predict``: one process on one CPU or CUDA
+    device, full or mixed precision (no other precision plugin), every predict batch, no profiler, and no callbacks
+    but the stage's and Lightning's bars, summaries and checkpoints (which do nothing in predict); else (None, the
+    reason)."""
+    if t.world_size != 1 or type(t.strategy) is not SingleDeviceStrategy:
+        return None, f"{type(t.strategy).__name__} over {t.world_size} process(es)"
+    device = t.strategy.root_device
+    if device.type not in ("cpu", "cuda"):
+        return None, f"device {device}"
+    if type(t.precision_plugin) not in (Precision, MixedPrecision):
+        return None, f"precision plugin {type(t.precision_plugin).__name__}"
+    if t.limit_predict_batches != 1.0 or t.fast_dev_run:
+        return None, "limit_predict_batches or fast_dev_run set"
+    if not isinstance(t.profiler, PassThroughProfiler):
+        return None, f"profiler {type(t.profiler).__name__}"
+    others = [type(c).__name__ for c in t.callbacks if not isinstance(c, PASSIVE_CALLBACKS)]
+    if others:
+        return None, f"callbacks {others}"
+    return device, ""
+
+
+def predict_loop(engine: MapEngine, data: SentenceBatches, writer: CacheWriter, t: pl.Trainer,
+                 device: torch.device, lines: ProgressCallback, num_workers: int = 0,
+                 overlap: bool = True) -> None:
+    """What ``t.predict(AttentionExtractor(engine), DataLoader(data))`` does on one device, as a plain loop: the
+    model moved to ``device`` and put in eval mode (its modules' modes and the CPU put back at the end, as
+    Lightning's loop and teardown do), under inference mode and ``t``'s precision context; each batch built ahead in
+    a background thread (page-locked on a GPU; in ``num_workers`` loader processes when > 0), its word maps written
+    by ``writer`` in another (``overlap``; else each step in turn, in this thread: on a 2-vCPU EPYC under load, two
+    torch threads took 1.2-4x the CPU time that way, bench/README.md). A progress bar on a terminal when ``t`` has
+    one, and ``lines``' progress lines in the log otherwise (:class:`probes.progress.Progress`). An error leaves the
+    entry ``.partial``."""
+    model, gpu = engine.model, device.type == "cuda"
+    modes = {m: m.training for m in model.modules()}
+    if num_workers:
+        batches = DataLoader(data, batch_size=None, num_workers=num_workers, pin_memory=gpu)
+    elif overlap:
+        batches = prefetched((data.build(b) for b in range(len(data))), depth=BATCHES_AHEAD)
+    else:
+        batches = (data.build(b) for b in range(len(data)))
+    inputs = ("input_ids", "attention_mask", "token_type_ids", "from_mat", "to_mat")  # index, n_words stay here
+    try:
+        if any(x.device != device for x in [*model.parameters(), *model.buffers()]):
+            model.to(device)
+        if any(modes.values()):
+            model.eval()
+        with torch.inference_mode() if t.predict_loop.inference_mode else torch.no_grad(), \
+                torch.cuda.device(device) if gpu else contextlib.nullcontext(), \
+                Progress(lines.desc or "predict", len(data), "batches", lines.every_s, lines.enabled) as counter, \
+                tqdm(total=len(data), desc=lines.desc, unit="batch",
+                     disable=None if t.progress_bar_callback is not None else True) as bar:
+            writer.open(background=overlap)
+            try:
+                for batch in batches:
+                    on = {k: v.to(device, non_blocking=gpu) if k in inputs else v for k, v in batch.items()}
+                    with t.precision_plugin.predict_step_context():
+                        maps = engine.word_maps(on)  # (B, L', H', W, W) float16 on the device
+                    writer.put(maps, batch["index"], batch["n_words"])
+                    counter.update()
+                    bar.update()
+                writer.close()
+            except BaseException:
+                writer.abandon()
+                raise
+    finally:
+        if not num_workers:
+            batches.close()  # stops the thread building batches ahead
+        for m, training in modes.items():
+            m.training = training
+        if gpu:  # on the CPU, as Lightning's teardown leaves it
+            model.cpu()
+            torch.cuda.empty_cache()
 
 
 def extract(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
@@ -86,12 +244,18 @@ def _extract(
     maps: str = "attention",
     measures: dict | None = None,
     layers: Sequence[int] | None = None,
+    loop: str = "auto",
 ) -> cache.AttentionCache:
     """Write (or reuse) the cache entry for `key`; `trainer` is a partial Trainer constructor.
 
-    ``encoded``: the sentences already through :func:`encode_words` (saves tokenizing twice).
+    ``encoded``: the sentences already through :func:`encode_words` (saves tokenizing twice; None: :func:`encode_split`,
+    which reuses this process's earlier tokenization of the same sentences).
     ``maps``: the map kind, built from ``measures[maps]`` (:mod:`probes.measures`).
-    ``layers``: the 0-based layers stored, in order (None: all); the manifest lists them."""
+    ``layers``: the 0-based layers stored, in order (None: all); the manifest lists them.
+    ``loop``: ``auto`` (the stage's own loop where :func:`own_loop_device` allows it, else Lightning's predict),
+    ``own`` (an error naming the reason where it cannot) or ``lightning``; the entry is the same."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop={loop!r}: expected one of {LOOPS}")
     final_dir = cache.entry_dir(cache_dir, key)
     if cache.is_complete(final_dir):
         log.info("attention cache hit: %s", final_dir)
@@ -100,7 +264,7 @@ def _extract(
                        tokenizer=encoder.tokenizer, max_length=max_length, max_tokens=max_tokens,
                        max_batch_size=max_batch_size, max_pairs=max_pairs, attention_budget_mb=attention_budget_mb,
                        kind=maps)
-    encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
+    encoded = encoded if encoded is not None else encode_split(encoder.tokenizer, sentences)
     keep, too_long = engine.select(encoded, long_sentences)
     kept = [encoded[i] for i in keep]
     batches = engine.batches(kept)
@@ -111,18 +275,32 @@ def _extract(
                            "(H = 1 for per-layer map kinds)")
     writer = CacheWriter(final_dir, manifest)
     # progress lines in the run's log when no one watches a terminal (the Lightning bar shows it there)
-    t = trainer(callbacks=[writer, ProgressCallback(desc=f"{maps} extraction")])
-    loader = DataLoader(engine.dataset(kept, keep, batches, device=t.strategy.root_device if not num_workers else None),
-                        batch_size=None, num_workers=num_workers,
-                        persistent_workers=False, pin_memory=False)
-    log.info("extracting attention: %d sentences, %d batches -> %s", len(kept), len(batches), final_dir)
+    lines = ProgressCallback(desc=f"{maps} extraction")
+    t = probe_trainer(trainer) if loop != "lightning" else None
+    if t is None:
+        t = trainer(callbacks=[writer, lines])
+    device, why = own_loop_device(t) if loop != "lightning" else (None, "loop=lightning")
+    if device is None and loop == "own":
+        raise ValueError(f"extract(loop='own'): this Trainer needs Lightning's predict loop ({why})")
+    if device is None and writer not in t.callbacks:  # the probe: Lightning's loop needs a Trainer with the callbacks
+        t = trainer(callbacks=[writer, lines])
+    log.info("extracting attention: %d sentences, %d batches -> %s (%s)", len(kept), len(batches), final_dir,
+             f"own loop on {device}" if device is not None else f"Lightning's predict loop: {why}")
     log.info("map kind: %s", maps)
     # attention: the model held in a mixed precision's compute dtype (compute_in); other map kinds read weights
     # themselves, so they keep them as loaded
     precision = str(t.precision) if engine.measure.mixed_precision else "32-true"
     with compute_in(encoder.model, precision) as engine.pool_dtype, \
             reusable_heap():  # the batches' buffers reused, not faulted in again at every batch
-        t.predict(AttentionExtractor(engine), loader, return_predictions=False)
+        if device is None:
+            loader = DataLoader(engine.dataset(kept, keep, batches,
+                                               device=t.strategy.root_device if not num_workers else None),
+                                batch_size=None, num_workers=num_workers, persistent_workers=False, pin_memory=False)
+            t.predict(AttentionExtractor(engine), loader, return_predictions=False)
+        elif batches:  # (no batch: nothing written, as Lightning's loop skips an empty loader)
+            data = SentenceBatches(kept, keep, batches, engine.from_words, engine.to_words, engine.pad_id,
+                                   pin=device.type == "cuda" and not num_workers)
+            predict_loop(engine, data, writer, t, device, lines, num_workers)
     return cache.AttentionCache(final_dir)
 
 

@@ -1,8 +1,10 @@
-"""Writing a cache entry from Lightning's predict loop: one shard per rank, the entry finalized by rank 0.
+"""Writing a cache entry, from Lightning's predict loop or the stage's own: one shard per rank, the entry finalized
+by rank 0.
 
-On a GPU the writer copies each batch's maps to page-locked host memory asynchronously and writes them in a
-background thread (a bounded queue, in order), so that the device computes the next batch meanwhile; on a CPU, whose
-cores the forward uses, it writes each batch at once. The bytes written are the same either way.
+The writer copies each batch's maps to the host (from a GPU: to page-locked memory, asynchronously) and appends them
+to the shard as one contiguous write, in a background thread (a bounded queue, in order) where the caller asks for it
+(the stage's own loop, and Lightning's on a GPU), so that the device computes the next batch meanwhile. The bytes
+written are the same either way.
 """
 
 from __future__ import annotations
@@ -110,10 +112,15 @@ class CacheWriter(pl.Callback):
     A plain callback, not a ``BasePredictionWriter``: a batch's sentences are its ``index``, and Lightning's batch
     indices, which a loader of whole batches does not have, would only be warned about at every extraction.
 
+    Its steps (:meth:`open`, :meth:`put`, :meth:`close`, :meth:`abandon`) serve Lightning's predict hooks and the
+    stage's own loop (:func:`probes.extract.stage.predict_loop`) alike. Each batch's sentences go to the shard as one
+    contiguous write (:meth:`probes.extract.cache.ShardWriter.write_many`).
+
     Args:
         final_dir: The entry's folder (built in ``<final_dir>.partial`` and renamed into place).
         manifest: The manifest written last.
-        background: Write in a background thread (:class:`BackgroundWrites`); None: when the model is on a GPU.
+        background: Write in a background thread (:class:`BackgroundWrites`); None: as the caller of :meth:`open`
+            asks (Lightning's hooks: when the model is on a GPU).
         depth: Batches that may wait for the background thread.
     """
 
@@ -126,55 +133,82 @@ class CacheWriter(pl.Callback):
         self.background, self.depth = background, depth
         self._behind: BackgroundWrites | None = None
 
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
+    # ------------------------------------------------------------------------- the steps
+    def open(self, rank: int = 0, first: bool = True, barrier: Callable[[], None] = lambda: None,
+             background: bool = False) -> None:
+        """Open rank ``rank``'s shard; the first rank (``first``) removes an interrupted run's partial folder and
+        creates it before the others (``barrier``) open theirs. ``background``: the writes' thread unless the
+        constructor's ``background`` says otherwise."""
+        if first:
             if self.partial_dir.exists():
                 log.warning("removing incomplete cache from an interrupted run: %s", self.partial_dir)
                 shutil.rmtree(self.partial_dir)
             with naming_full_disk(self.partial_dir, "creating the cache entry"):
                 self.partial_dir.mkdir(parents=True)
-        trainer.strategy.barrier()
+        barrier()
         with naming_full_disk(self.partial_dir, "writing the cache entry"):
-            self.shard = cache.ShardWriter(self.partial_dir, trainer.global_rank)
-        behind = self.background if self.background is not None else pl_module.device.type == "cuda"
+            self.shard = cache.ShardWriter(self.partial_dir, rank)
+        behind = self.background if self.background is not None else background
         self._behind = BackgroundWrites(self.depth) if behind else None
 
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self.write_on_batch_end(trainer, pl_module, outputs, None, batch, batch_idx, dataloader_idx)
-
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
-        """Write one batch's predictions (``maps``, ``index``, ``n_words``); ``batch_indices`` is not read."""
+    def put(self, maps: torch.Tensor, index: torch.Tensor, n_words: torch.Tensor) -> None:
+        """Write one batch: ``maps`` (B, L, H, W, W) float16, ``index`` and ``n_words`` (B,), on any device (a GPU's
+        copied to page-locked host memory asynchronously); in the background thread when there is one (the error of
+        an earlier batch is raised here)."""
         with stage("to host"):
-            (maps, index, n_words), ready = to_host(prediction["maps"], prediction["index"], prediction["n_words"])
+            (maps, index, n_words), ready = to_host(maps, index, n_words)
         job = functools.partial(self._write_maps, maps, index, n_words, ready)
         if self._behind is None:
             job()
         else:
             self._behind.submit(job)
 
-    def _write_maps(self, maps: torch.Tensor, index: torch.Tensor, n_words: torch.Tensor,
-                    ready: torch.cuda.Event | None) -> None:
-        """Append one batch's word maps ((B, L, H, W, W) float16 on the host; index, n_words (B,)) to the shard."""
-        if ready is not None:
-            ready.synchronize()
-        with stage("write"), naming_full_disk(self.shard.data_path, "writing the cache entry's maps"):
-            m = maps.numpy()  # (B, L, H, W, W) float16
-            for k, (i, n) in enumerate(zip(index.tolist(), n_words.tolist())):
-                self.shard.write(i, m[k, :, :, : n + 2, : n + 2])
-
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def close(self, first: bool = True, barrier: Callable[[], None] = lambda: None) -> None:
+        """Wait for the background writes (raising their first error), close this rank's shard and, once every
+        rank has (``barrier``), finalize the entry on the first rank (``first``): manifest, rename into place."""
         behind, self._behind = self._behind, None
         if behind is not None:
             behind.finish()  # every batch written; the first error of the thread raised here
         with stage("finalize"), naming_full_disk(self.partial_dir, "writing the cache entry"):
             self.shard.close()
-        trainer.strategy.barrier()
-        if trainer.is_global_zero:
+        barrier()
+        if first:
             with stage("finalize"), naming_full_disk(self.partial_dir, "finishing the cache entry"):
                 cache.finalize(self.partial_dir, self.final_dir, self.manifest)
-        trainer.strategy.barrier()
+        barrier()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def abandon(self) -> None:
+        """Stop the background writes after an error elsewhere (queued batches skipped); the entry stays
+        ``.partial``, never complete. Raises nothing."""
         behind, self._behind = self._behind, None
         if behind is not None:
             behind.abandon()
+
+    def _write_maps(self, maps: torch.Tensor, index: torch.Tensor, n_words: torch.Tensor,
+                    ready: torch.cuda.Event | None) -> None:
+        """Append one batch's word maps ((B, L, H, W, W) float16 on the host; index, n_words (B,)) to the shard, as
+        one write."""
+        if ready is not None:
+            ready.synchronize()
+        with stage("write"), naming_full_disk(self.shard.data_path, "writing the cache entry's maps"):
+            m = maps.numpy()  # (B, L, H, W, W) float16
+            self.shard.write_many([(i, m[k, :, :, : n + 2, : n + 2])
+                                   for k, (i, n) in enumerate(zip(index.tolist(), n_words.tolist()))])
+
+    # ------------------------------------------------------------------------- Lightning's hooks
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.open(trainer.global_rank, trainer.is_global_zero, trainer.strategy.barrier,
+                  background=pl_module.device.type == "cuda")
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.write_on_batch_end(trainer, pl_module, outputs, None, batch, batch_idx, dataloader_idx)
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        """Write one batch's predictions (``maps``, ``index``, ``n_words``); ``batch_indices`` is not read."""
+        self.put(prediction["maps"], prediction["index"], prediction["n_words"])
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.close(trainer.is_global_zero, trainer.strategy.barrier)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.abandon()

@@ -1,0 +1,319 @@
+"""The extraction stage's own loop (``probes.extract.stage.predict_loop``: one device, batches built ahead, writes in a
+background thread, no Lightning loop): its cache entry against one built by an independent plain loop written here
+(the tokenizer on the running text, a plain eager transformers forward with ``output_attentions`` over padded
+batches, word pooling by explicit loops), byte for byte the entry of Lightning's predict loop, an interrupted build
+(an error in the writer thread or the forward, or the process killed while writing) leaves no complete entry and the
+next build is the clean one, and a split is tokenized once per process."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from transformers import AutoModel
+
+from probes.extract import cache, stage
+from probes.extract.stage import encode_split, extract, forget_splits, own_loop_device, probe_trainer
+from probes.maps import MapEngine
+from probes.measures.attention import Attention
+from probes.model.load import load_encoder
+from probes.model.tiny import tiny_folder
+from tests.conftest import ROOT, WORDS
+
+# words the tiny tokenizers split into several pieces, so that pooling over pieces matters
+LONG_WORDS = ["unbelievably", "tokenization", "reconsidered", "householders", "quickest"]
+VOCAB = WORDS + LONG_WORDS
+# 1 to 14 words: length batches of several lengths (padding); the last (and a few others) longer than MAX_LENGTH
+# pieces: skipped
+SENTS = [[VOCAB[(i * 7 + k * 3) % len(VOCAB)] for k in range(1 + i % 14)] for i in range(45)] + [LONG_WORDS * 6]
+MAX_LENGTH = 24  # pieces, specials included
+MAX_TOKENS = 96  # pieces per batch: several batches
+TRAINER = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision="32-true", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {family: tiny_folder(family, root=root, num_layers=2) for family in ("bert", "roberta")}
+
+
+def key_for(name: str, **more) -> dict:
+    return dict(encoder=name, dataset="synthetic", split="dev", **more)
+
+
+def files(entry) -> dict[str, bytes]:
+    """{file name: bytes} of a complete entry."""
+    return {p.name: p.read_bytes() for p in sorted(entry.path.iterdir())}
+
+
+def worker_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("batches-ahead", "cache-writer"))]
+
+
+# ----------------------------------------------------------------------------- the independent plain loop
+def word_of_pieces(offsets: list[tuple[int, int]], text: str, n_words: int) -> list[int]:
+    """Word of every piece of ``text`` (words joined by single spaces): -1 for a special before the words (no
+    characters, first), ``n_words`` for one after them; a piece belongs to the word holding its first non-space
+    character."""
+    starts = [k for k, c in enumerate(text) if c != " " and (k == 0 or text[k - 1] == " ")]
+    word_at = []
+    for k in range(len(text)):
+        w = -1
+        for j, s in enumerate(starts):
+            if s <= k:
+                w = j
+        word_at.append(w)
+    out, seen_word = [], False
+    for a, e in offsets:
+        chars = [k for k in range(a, e) if text[k] != " "]
+        if not chars:  # a special token
+            out.append(n_words if seen_word else -1)
+            continue
+        out.append(word_at[chars[0]])
+        seen_word = True
+    return out
+
+
+def plain_entry(folder, sentences: list[list[str]], max_length: int, batch_size: int = 7) -> dict[int, np.ndarray]:
+    """{sentence: (L, H, W, W) float32 word maps} of the sentences of at most ``max_length`` pieces: the model's
+    tokenizer on the words joined by spaces, padded batches of ``batch_size`` through a plain eager transformers
+    model with ``output_attentions``, rows averaged and columns summed over each word's pieces by loops (W = words
+    + 2: the first special, the words, the last special)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
+    texts = [" ".join(words) for words in sentences]
+    keep = [i for i, t in enumerate(texts) if len(tok(t)["input_ids"]) <= max_length]
+    out = {}
+    for b in range(0, len(keep), batch_size):
+        ids = keep[b:b + batch_size]
+        enc = tok([texts[i] for i in ids], padding=True, return_offsets_mapping=True, return_tensors="pt")
+        offsets = enc.pop("offset_mapping")
+        with torch.no_grad():
+            attn = torch.stack(model(**enc, output_attentions=True).attentions, 1)  # (B, L, H, T, T)
+        for k, i in enumerate(ids):
+            T = int(enc["attention_mask"][k].sum())  # right padding: the first T positions are real
+            n = len(sentences[i])
+            wop = word_of_pieces([tuple(o) for o in offsets[k, :T].tolist()], texts[i], n)
+            a = attn[k, :, :, :T, :T].numpy()  # (L, H, T, T)
+            L, H = a.shape[:2]
+            pieces = [[t for t in range(T) if wop[t] == w] for w in range(-1, n + 1)]  # W groups, in row order
+            m = np.zeros((L, H, n + 2, n + 2), dtype=np.float32)
+            for r, rows in enumerate(pieces):
+                for c, cols in enumerate(pieces):
+                    if rows and cols:
+                        m[:, :, r, c] = sum(a[:, :, p, q] for p in rows for q in cols) / len(rows)
+            out[i] = m
+    return out
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_own_loop_entry_equals_the_independent_plain_loop(folders, tmp_path, family):
+    enc = load_encoder(str(folders[family]))
+    enc.model.train()  # the loop computes in eval mode and puts the modes back
+    got = extract(enc, SENTS, key_for(enc.name), tmp_path, TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS,
+                  loop="own")
+    assert enc.model.training and all(m.training for m in enc.model.modules())
+    want = plain_entry(folders[family], SENTS, MAX_LENGTH)
+    skipped = [i for i in range(len(SENTS)) if i not in want]
+    assert len(SENTS) - 1 in skipped and len(want) > len(SENTS) // 2 and got.skipped == skipped
+
+    # batches of several lengths: padding inside the length batches
+    engine = MapEngine(enc.model, Attention(), tokenizer=enc.tokenizer, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS)
+    encoded = encode_split(enc.tokenizer, SENTS)
+    kept = [encoded[i] for i in sorted(want)]
+    batches = engine.batches(kept)
+    assert len(batches) > 2 and any(len({kept[k].n_pieces for k in b}) > 1 for b in batches)
+
+    # the entry as a whole: one shard, every kept sentence once, back to back, each block the plain loop's maps
+    manifest = json.loads((got.path / "manifest.json").read_text())
+    assert manifest["shards"] == ["maps-r0.f16"] and manifest["n_sentences"] == len(SENTS)
+    index = np.load(got.path / "index-r0.npy")  # (N, 3): sentence, element offset, W
+    data = np.fromfile(got.path / "maps-r0.f16", dtype=np.float16)
+    L, H = enc.num_layers, enc.num_heads
+    assert sorted(index[:, 0].tolist()) == sorted(want)
+    sizes = [L * H * int(w) ** 2 for w in index[:, 2]]
+    assert index[:, 1].tolist() == np.cumsum([0] + sizes[:-1]).tolist() and data.size == sum(sizes)
+    for (i, offset, w), size in zip(index.tolist(), sizes):
+        assert w == len(SENTS[i]) + 2
+        block = data[offset:offset + size].reshape(L, H, w, w).astype(np.float32)
+        # float16 storage: rounding 2^-11 relative, of values up to the pieces of a word
+        np.testing.assert_allclose(block, want[i], atol=2e-3, rtol=0, err_msg=f"sentence {i}")
+        np.testing.assert_array_equal(got[i], data[offset:offset + size].reshape(L, H, w, w))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_own_loop_writes_lightnings_entry_byte_for_byte(folders, tmp_path, monkeypatch, precision):
+    enc = load_encoder(str(folders["roberta"]))  # pad id 1: padding that is not zero
+    trainer = functools.partial(TRAINER, precision=precision)
+    own = extract(enc, SENTS, key_for(enc.name), tmp_path / "own", trainer, max_length=MAX_LENGTH,
+                  max_tokens=MAX_TOKENS, loop="own")
+    lightning = extract(enc, SENTS, key_for(enc.name), tmp_path / "lightning", trainer, max_length=MAX_LENGTH,
+                        max_tokens=MAX_TOKENS, loop="lightning")
+    monkeypatch.setattr(stage, "predict_loop", functools.partial(stage.predict_loop, overlap=False))
+    in_turn = extract(enc, SENTS, key_for(enc.name), tmp_path / "in-turn", trainer, max_length=MAX_LENGTH,
+                      max_tokens=MAX_TOKENS, loop="own")
+    assert own.path.name == lightning.path.name == in_turn.path.name
+    assert files(own) == files(lightning) == files(in_turn)  # maps, index and manifest (its checksums included)
+    assert not worker_threads()
+
+
+def test_write_many_writes_what_write_writes(tmp_path):
+    rng = np.random.default_rng(0)
+    padded = rng.random((3, 2, 4, 9, 9)).astype(np.float16)  # (B, L, H, W, W): blocks are strided views
+    items = [(5, padded[0, :, :, :4, :4]), (2, padded[1, :, :, :9, :9]), (7, padded[2, :, :, :6, :6])]
+    for name in ("one", "many"):
+        (tmp_path / name).mkdir()
+    one = cache.ShardWriter(tmp_path / "one", 0)
+    for i, m in items:
+        one.write(i, m)
+    one.close()
+    many = cache.ShardWriter(tmp_path / "many", 0)
+    many.write_many(items[:2])
+    many.write_many([])
+    many.write_many(items[2:])
+    many.close()
+    for f in ("maps-r0.f16", "index-r0.npy", "checksums-r0.json"):
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "many" / f).read_bytes(), f
+
+
+# ----------------------------------------------------------------------------- interruptions
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["writer thread", "forward"])
+def test_an_interrupted_build_leaves_no_entry_and_the_next_is_clean(folders, tmp_path, monkeypatch, where):
+    enc = load_encoder(str(folders["bert"]))
+    key = key_for(enc.name)
+    calls = []
+    if where == "writer thread":  # a failing disk, in the third batch's write
+        write_many = cache.ShardWriter.write_many
+
+        def failing(self, items):
+            calls.append(threading.current_thread().name)
+            if len(calls) == 3:
+                raise Boom("disk gone")
+            write_many(self, items)
+
+        monkeypatch.setattr(cache.ShardWriter, "write_many", failing)
+    else:  # Ctrl-C during the third batch's forward
+        word_maps = MapEngine.word_maps
+
+        def interrupted(self, batch, *args, **kwargs):
+            calls.append(threading.current_thread().name)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return word_maps(self, batch, *args, **kwargs)
+
+        monkeypatch.setattr(MapEngine, "word_maps", interrupted)
+    with pytest.raises(Boom if where == "writer thread" else KeyboardInterrupt):
+        extract(enc, SENTS, key, tmp_path / "a", TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS, loop="own")
+    assert len(calls) == 3 and (calls[0] == "cache-writer") == (where == "writer thread")
+    final = cache.entry_dir(tmp_path / "a", key)
+    assert not cache.is_complete(final) and final.with_name(final.name + ".partial").is_dir()
+    with pytest.raises(FileNotFoundError):
+        cache.AttentionCache(final)
+    time.sleep(0.1)
+    assert not worker_threads()  # the batch builder and the writer stopped
+    monkeypatch.undo()
+    again = extract(enc, SENTS, key, tmp_path / "a", TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS)
+    clean = extract(enc, SENTS, key, tmp_path / "b", TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS)
+    assert files(again) == files(clean) and not list((tmp_path / "a" / "attention").glob("*.partial"))
+
+
+KILLED_CHILD = """
+import os, signal, sys
+import pytorch_lightning as pl
+from probes.extract import cache
+from probes.extract.stage import extract
+from probes.model.load import load_encoder
+folder, out, words = sys.argv[1], sys.argv[2], [s.split(",") for s in sys.argv[3].split(";")]
+write_many, calls = cache.ShardWriter.write_many, []
+def write_then_die(self, items):
+    write_many(self, items)
+    self._f.flush()  # the first batches reached the file
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+cache.ShardWriter.write_many = write_then_die
+enc = load_encoder(folder)
+extract(enc, words, dict(encoder=enc.name, dataset="synthetic", split="dev"), out, lambda callbacks: pl.Trainer(
+    callbacks=callbacks, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False), max_length=%d, max_tokens=%d, loop="own")
+""" % (MAX_LENGTH, MAX_TOKENS)
+
+
+def test_a_build_killed_while_writing_leaves_no_entry_and_the_next_is_clean(folders, tmp_path):
+    enc = load_encoder(str(folders["bert"]))
+    key = key_for(enc.name)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", KILLED_CHILD, str(folders["bert"]), str(tmp_path / "a"),
+                        ";".join(",".join(s) for s in SENTS)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    final = cache.entry_dir(tmp_path / "a", key)
+    partial = final.with_name(final.name + ".partial")
+    assert not cache.is_complete(final) and (partial / "maps-r0.f16").stat().st_size > 0
+    with cache.build_lock(final, timeout=5) as build_here:  # the dead builder's lock is free
+        assert build_here
+    again = extract(enc, SENTS, key, tmp_path / "a", TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS)
+    clean = extract(enc, SENTS, key, tmp_path / "b", TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS)
+    assert files(again) == files(clean) and not partial.exists()
+
+
+# ----------------------------------------------------------------------------- which loop, tokenizing once
+class Foreign(pl.Callback):
+    pass
+
+
+def test_the_own_loop_stands_in_only_where_lightning_would_add_nothing(folders, tmp_path):
+    assert own_loop_device(TRAINER()) == (torch.device("cpu"), "")
+    assert own_loop_device(TRAINER(precision="bf16-mixed"))[0] == torch.device("cpu")
+    device, why = own_loop_device(TRAINER(callbacks=[Foreign()]))
+    assert device is None and "Foreign" in why
+    device, why = own_loop_device(TRAINER(devices=2, strategy="ddp"))
+    assert device is None and "DDPStrategy" in why
+    device, why = own_loop_device(TRAINER(limit_predict_batches=2))
+    assert device is None and "limit_predict_batches" in why
+    # a plain partial's Trainer is made once per process; a function that may add callbacks gets none kept
+    assert probe_trainer(TRAINER) is probe_trainer(functools.partial(TRAINER)) is not None
+    assert probe_trainer(functools.partial(TRAINER, precision="bf16-mixed")) is not probe_trainer(TRAINER)
+    assert probe_trainer(lambda callbacks: TRAINER(callbacks=callbacks)) is None
+    assert probe_trainer(functools.partial(TRAINER, callbacks=[Foreign()])) is None
+    enc = load_encoder(str(folders["bert"]))
+    with pytest.raises(ValueError, match=r"needs Lightning's predict loop \(callbacks \['Foreign'\]\)"):
+        extract(enc, SENTS, key_for(enc.name), tmp_path, lambda callbacks: TRAINER(callbacks=callbacks + [Foreign()]),
+                loop="own")
+    with pytest.raises(ValueError, match="loop='fast'"):
+        extract(enc, SENTS, key_for(enc.name, n=2), tmp_path, TRAINER, loop="fast")
+
+
+def test_a_split_is_tokenized_once_per_process(folders, tmp_path, monkeypatch):
+    enc = load_encoder(str(folders["bert"]))
+    tokenized = []
+    encode_all = stage.encode_all
+    monkeypatch.setattr(stage, "encode_all", lambda tok, sents: tokenized.append(len(sents)) or encode_all(tok, sents))
+    forget_splits()
+    first = extract(enc, SENTS, key_for(enc.name, n=1), tmp_path, TRAINER, max_length=MAX_LENGTH)
+    second = extract(enc, [list(s) for s in SENTS], key_for(enc.name, n=2), tmp_path, TRAINER, max_length=MAX_LENGTH)
+    assert tokenized == [len(SENTS)]
+    assert (first.path / "maps-r0.f16").read_bytes() == (second.path / "maps-r0.f16").read_bytes()
+    extract(enc, SENTS[:-1], key_for(enc.name, n=3), tmp_path, TRAINER, max_length=MAX_LENGTH)  # other sentences
+    assert tokenized == [len(SENTS), len(SENTS) - 1]
+    assert encode_split(enc.tokenizer, SENTS) == encode_all(enc.tokenizer, SENTS) and gc.isenabled()
+    forget_splits()
+    encode_split(enc.tokenizer, SENTS)
+    assert tokenized[-1] == len(SENTS) and len(tokenized) == 3
