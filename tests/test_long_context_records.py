@@ -187,3 +187,36 @@ def test_coref_types_table_recomputed_from_the_records(model):
     assert table[0] == ["mention type", "nearest antecedent", "mentions", f"best head {name}", "nearest",
                         "head_match", "rule_based"]
     assert table[1:] == want
+
+
+# ----------------------------------------------------------------------------- SmolLM2 on three sources
+SOURCES = (("GUM", RECORDS / "smollm2"), ("EWT", RECORDS / "sources" / "smollm2_ewt"),
+           ("LitBank", RECORDS / "sources" / "smollm2_litbank"))
+
+
+def test_sources_table_recomputed_from_the_records():
+    """Every cell of the page's sources table: per length, the mean over layers 1-12 / 13-30 (1-based) and heads of
+    the per-head records, and the text's pieces and documents from summary.json."""
+    text = PAGE.read_text()
+    m = re.search(r"<!-- table:smollm2_sources -->(.*?)<!-- /table:smollm2_sources -->", text, re.S)
+    assert m, "no sources table"
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in m.group(1).strip().splitlines()][2:]
+    want = []
+    for name, folder in SOURCES:
+        rec = json.loads((folder / "record.json").read_text())
+        summary = json.loads((folder / "summary.json").read_text())
+        assert rec["lengths_run"] == summary["lengths_run"] and "encoder=smollm2" in rec["command"]
+        assert summary["source"] == name.lower() and {"machine", "date", "load_average"} <= set(rec)
+        heads = list(csv.DictReader(open(folder / "long_context.csv")))
+        for n in summary["lengths_run"]:
+            at = [r for r in heads if int(r["length"]) == n]
+            low, high = [r for r in at if int(r["layer"]) < 12], [r for r in at if int(r["layer"]) >= 12]
+            t = summary["texts"][str(n)]
+
+            def mean(rs, k):
+                return sum(float(r[k]) for r in rs) / len(rs)
+
+            want.append([name, f"{t['n_pieces']:,}", str(t["n_documents"]), f"{mean(low, 'cls'):.3f}",
+                         f"{mean(high, 'cls'):.3f}", f"{mean(at, 'entropy'):.2f}", f"{mean(low, 'distance'):.0f}",
+                         f"{mean(high, 'distance'):.0f}"])
+    assert rows == want
