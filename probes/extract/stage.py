@@ -134,11 +134,14 @@ def probe_trainer(trainer: Callable[..., pl.Trainer]) -> pl.Trainer | None:
 
 def own_loop_device(t: pl.Trainer) -> tuple[torch.device | None, str]:
     """(device, "") when the stage's own loop can stand in for ``t.predict``: one process on one CPU or CUDA
-    device, full or mixed precision (no other precision plugin), every predict batch, no profiler, and no callbacks
+    device, not a rank of a distributed job (a DDP training's ranks keep Lightning's loop, as before the own loop), full or mixed precision (no other precision plugin), every predict batch, no profiler, and no callbacks
     but the stage's and Lightning's bars, summaries and checkpoints (which do nothing in predict); else (None, the
     reason)."""
     if t.world_size != 1 or type(t.strategy) is not SingleDeviceStrategy:
         return None, f"{type(t.strategy).__name__} over {t.world_size} process(es)"
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:  # inside a rank of a distributed job (DDP training)
+        return None, f"inside a distributed job of {torch.distributed.get_world_size()} processes"
     device = t.strategy.root_device
     if device.type not in ("cpu", "cuda"):
         return None, f"device {device}"
