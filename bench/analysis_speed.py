@@ -8,8 +8,8 @@ Inputs: the first ``--sentences`` sentences of UD EWT dev (``--split``), read as
 ``head_stats`` Clark's pairs of consecutive sentences of a document (its default input; ``head_stats_single``: each
 sentence alone), ``sink`` the windows of 64 pieces of the split's running text (as many as the sentences' pieces
 fill), ``clustering`` the pairs of head_stats; ``head_stats_loop``: head_stats' pairs through the per-sentence path it had
-before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``), for comparison. ``--encoder`` is a name of ``conf/encoder`` or a model folder (``bert-base-random``: bert-base's shape,
-random weights, the MiniLM tokenizer; no download).
+before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``), for comparison. ``--encoder``: the extraction bench's choices (``extract_speed.load_bench_encoder``: ``minilm``,
+``bert-base-random``: bert-base's shape with random weights and the MiniLM vocabulary, no download; or a folder).
 
 For each analysis, in alternation for ``--rounds`` rounds (the best of each kept), on the same inputs and batches:
 
@@ -43,7 +43,6 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
-import probes  # noqa: E402
 
 from probes.analysis.beyond.sink import first_token_alpha, running_split_text, text_windows  # noqa: E402
 from probes.analysis.clark import head_stats  # noqa: E402
@@ -55,7 +54,7 @@ from probes.maps import MapEngine  # noqa: E402
 from probes.maps.reducers import HeadDistances, HeadStats, Reducer  # noqa: E402
 from probes.measures.attention import Attention  # noqa: E402
 from probes.memory import AnonPeak  # noqa: E402
-from probes.model.load import random_bert  # noqa: E402
+from extract_speed import load_bench_encoder  # noqa: E402  (the same encoders as the extraction bench)
 
 ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop")
 
@@ -74,12 +73,6 @@ class Nothing(Reducer):
 
     def batch_results(self) -> dict:
         return {}
-
-
-def load(name: str):
-    """The encoder: a conf/encoder name or a folder; ``bert-base-random``: bert-base's shape with random weights and
-    the packaged MiniLM vocabulary (:func:`probes.model.load.random_bert`)."""
-    return random_bert(prefix="bert-base-random") if name == "bert-base-random" else probes.load_encoder(name)
 
 
 @contextlib.contextmanager
@@ -179,7 +172,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     path = Path(args.data_dir) / "ud_english_ewt" / f"en_ewt-ud-{args.split}.conllu"
     sentences = read_conllu(path)[:args.sentences]
-    enc = load(args.encoder)
+    enc = load_bench_encoder(args.encoder)
     dtype = torch.bfloat16 if args.precision == "bf16-mixed" else None
     autocast = (torch.autocast(torch.device(args.device).type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())

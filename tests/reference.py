@@ -7,12 +7,15 @@ covers by a plain loop over characters, a plain ``attn_implementation="eager"`` 
 ``output_attentions=True``, and pooling by explicit loops over pieces; nothing from :mod:`probes.model.inputs`
 or the capture layer. The gradient-flow references are written without the block functions, ``torch.func`` or
 early stops: one plain forward and one ``autograd.grad`` per output, or the full model's head outputs from forward
-hooks. A ``.gguf`` file is read by transformers' own GGUF reader (:func:`gguf_reader`).
+hooks. A ``.gguf`` file is read by transformers' own GGUF reader (:func:`gguf_reader`). Clark et al.'s head
+statistics (:func:`head_stats_by_loops`) are explicit loops over the rows and keys of one sequence's eager map
+(:func:`eager_maps`), its inputs the tokenizer's own on the raw sentence or pair (:func:`reference_inputs`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,3 +189,84 @@ def head_attributions_stepwise(model: torch.nn.Module, input_ids: torch.Tensor, 
             raise ValueError(method)
         out.append(gradflow.attribution_distribution(attr.reshape(-1, T, *x.shape)))  # (H, T, T)
     return torch.stack(out).detach()  # (L, H, T, T)
+
+
+PIECE_MARKERS = ("##", "\u0120", "\u2581")  # WordPiece continuation, byte-level BPE space, SentencePiece space
+
+
+def conllu_documents(docs: list[list[str]]) -> str:
+    """A CoNLL-U file of documents (``# newdoc id = doc<d>``), each a list of sentences given as space-separated
+    words, every word's head the word before it."""
+    out = []
+    for d, sents in enumerate(docs):
+        out.append(f"# newdoc id = doc{d}")
+        for k, s in enumerate(sents):
+            out.append(f"# sent_id = doc{d}-{k}")
+            out += [f"{i + 1}\t{w}\t_\t_\t_\t_\t{i}\t{'root' if i == 0 else 'dep'}\t_\t_"
+                    for i, w in enumerate(s.split())]
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
+def reference_inputs(tok, sentences, pairs: bool) -> list[tuple[dict, list[str], list[bool]]]:
+    """(the tokenizer's inputs, piece strings without markers, special-token flags) of every sequence, the tokenizer
+    on the raw text: each sentence alone, or consecutive sentences of a document as the tokenizer's own pair."""
+    texts = [(" ".join(s.words),) for s in sentences]
+    if pairs:
+        texts, i = [], 0
+        while i + 1 < len(sentences):
+            if sentences[i].doc_id == sentences[i + 1].doc_id:
+                texts.append((" ".join(sentences[i].words), " ".join(sentences[i + 1].words)))
+                i += 2
+            else:
+                i += 1
+    out = []
+    for t in texts:
+        enc = tok(*t, return_special_tokens_mask=True)
+        pieces = []
+        for p in tok.convert_ids_to_tokens(enc["input_ids"]):
+            for m in PIECE_MARKERS:
+                p = p[len(m):] if p.startswith(m) else p
+            pieces.append(p)
+        inputs = {k: enc[k] for k in ("input_ids", "token_type_ids") if k in enc}
+        out.append((inputs, pieces, [bool(x) for x in enc["special_tokens_mask"]]))
+    return out
+
+
+def eager_maps(eager: torch.nn.Module, inputs: dict) -> np.ndarray:
+    """(L, H, T, T) float64 of one plain eager forward of one sequence's ``inputs``."""
+    with torch.no_grad():
+        att = eager(**{k: torch.tensor([v]) for k, v in inputs.items()}, output_attentions=True).attentions
+    return torch.stack(att)[:, 0].double().numpy()  # (L, H, T, T)
+
+
+def head_stats_by_loops(att: np.ndarray, pieces: list[str], special: list[bool], s: float = 1e-4
+                        ) -> dict[str, np.ndarray]:
+    """Clark et al.'s statistics of one sequence's (L, H, T, T) map by loops, (L, H) each: separators are the
+    specials after position 0, punctuation the ``.`` / ``,`` pieces that are not specials and not at either end;
+    entropies of the rows smoothed as ``(1 - s) a + s / T``."""
+    L, H, T, _ = att.shape
+    seps = [j for j in range(1, T) if special[j]]
+    punct = [j for j in range(1, T - 1) if pieces[j] in (".", ",") and not special[j]]
+    names = ("prev", "self", "next", "cls", "sep", "sep_sep", "rest_sep", "punct", "entropy", "cls_entropy")
+    out = {k: np.zeros((L, H)) for k in names}
+    for l in range(L):
+        for h in range(H):
+            a = att[l, h]
+            ents = []
+            for i in range(T):
+                y = [(1 - s) * a[i, j] + s / T for j in range(T)]
+                ents.append(-sum(v * math.log(v) for v in y))
+            out["prev"][l, h] = sum(a[i, i - 1] for i in range(1, T)) / T
+            out["self"][l, h] = sum(a[i, i] for i in range(T)) / T
+            out["next"][l, h] = sum(a[i, i + 1] for i in range(T - 1)) / T
+            out["cls"][l, h] = sum(a[i, 0] for i in range(T)) / T
+            to_sep = [sum(a[i, j] for j in seps) for i in range(T)]
+            out["sep"][l, h] = sum(to_sep) / T
+            rest = [i for i in range(T) if i not in seps]
+            out["sep_sep"][l, h] = sum(to_sep[i] for i in seps) / len(seps) if seps else float("nan")
+            out["rest_sep"][l, h] = sum(to_sep[i] for i in rest) / len(rest) if rest else float("nan")
+            out["punct"][l, h] = sum(a[i, j] for i in range(T) for j in punct) / T
+            out["entropy"][l, h] = sum(ents) / T
+            out["cls_entropy"][l, h] = ents[0]
+    return out

@@ -12,7 +12,6 @@ EWT sentences, clustering's tables equal the per-sentence computation it replace
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from probes.measures.attention import Attention
 from probes.model.inputs import Encoded
 from probes.model.tiny import tiny_folder
 from probes.stats import LN2, js_divergence_matrix
+from tests import reference
 from tests.conftest import require_shared
 
 MAX_POSITIONS = 40
@@ -44,20 +44,7 @@ DOCS = [["The cat sat on the mat .", "It was warm , and quiet ."],
         ["Dogs bark .", "Nobody sleeps , ever .", "A wheel rolled by , slowly , in the dark night ."],
         ["Hello there !", " ".join(["very"] * 45) + " long ."],  # the second is above MAX_POSITIONS pieces
         ["Yes .", "No , thanks ."]]
-MARKERS = ("##", "\u0120", "\u2581")
 STATS = ("prev", "self", "next", "cls", "sep", "punct", "entropy")  # the statistics clustering reports
-
-
-def conllu(docs) -> str:
-    out = []
-    for d, sents in enumerate(docs):
-        out.append(f"# newdoc id = doc{d}")
-        for k, s in enumerate(sents):
-            out.append(f"# sent_id = doc{d}-{k}")
-            out += [f"{i + 1}\t{w}\t_\t_\t_\t_\t{i}\t{'root' if i == 0 else 'dep'}\t_\t_"
-                    for i, w in enumerate(s.split())]
-            out.append("")
-    return "\n".join(out) + "\n"
 
 
 def sharpened(folder: Path, into: Path) -> Path:
@@ -79,39 +66,8 @@ def model(request, tmp_path_factory):
     enc = probes.load_encoder(str(folder))
     eager = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
     path = root / "dev.conllu"
-    path.write_text(conllu(DOCS))
+    path.write_text(reference.conllu_documents(DOCS))
     return request.param, enc, eager, AutoTokenizer.from_pretrained(str(folder)), read_conllu(path)
-
-
-def reference_inputs(tok, sentences, pairs: bool) -> list[tuple[dict, list[str], list[bool]]]:
-    """(the tokenizer's inputs, piece strings without markers, special-token flags) of every sequence, the tokenizer
-    on the raw text: each sentence alone, or consecutive sentences of a document as the tokenizer's own pair."""
-    texts = [(" ".join(s.words),) for s in sentences]
-    if pairs:
-        texts, i = [], 0
-        while i + 1 < len(sentences):
-            if sentences[i].doc_id == sentences[i + 1].doc_id:
-                texts.append((" ".join(sentences[i].words), " ".join(sentences[i + 1].words)))
-                i += 2
-            else:
-                i += 1
-    out = []
-    for t in texts:
-        enc = tok(*t, return_special_tokens_mask=True)
-        pieces = []
-        for p in tok.convert_ids_to_tokens(enc["input_ids"]):
-            for m in MARKERS:
-                p = p[len(m):] if p.startswith(m) else p
-            pieces.append(p)
-        inputs = {k: enc[k] for k in ("input_ids", "token_type_ids") if k in enc}
-        out.append((inputs, pieces, [bool(x) for x in enc["special_tokens_mask"]]))
-    return out
-
-
-def eager_maps(eager, inputs: dict) -> np.ndarray:
-    with torch.no_grad():
-        att = eager(**{k: torch.tensor([v]) for k, v in inputs.items()}, output_attentions=True).attentions
-    return torch.stack(att)[:, 0].double().numpy()  # (L, H, T, T)
 
 
 def loop_js(att: np.ndarray, s: float = SMOOTHING) -> np.ndarray:
@@ -126,30 +82,6 @@ def loop_js(att: np.ndarray, s: float = SMOOTHING) -> np.ndarray:
             kl_a = np.where(p[a] > 0, p[a] * np.log(np.where(p[a] > 0, p[a], 1) / np.where(p[a] > 0, m, 1)), 0.0)
             kl_b = np.where(p[b] > 0, p[b] * np.log(np.where(p[b] > 0, p[b], 1) / np.where(p[b] > 0, m, 1)), 0.0)
             out[a, b] = 0.5 * kl_a.sum() + 0.5 * kl_b.sum()
-    return out
-
-
-def loop_stats(att: np.ndarray, pieces: list[str], special: list[bool], s: float = 1e-4) -> dict[str, np.ndarray]:
-    """clustering's statistics of one (L, H, T, T) map by loops: the separators are the specials after position 0,
-    punctuation the ``.`` / ``,`` pieces that are not specials."""
-    L, H, T, _ = att.shape
-    seps = [j for j in range(1, T) if special[j]]
-    punct = [j for j in range(1, T - 1) if pieces[j] in (".", ",") and not special[j]]
-    out = {k: np.zeros((L, H)) for k in STATS}
-    for l in range(L):
-        for h in range(H):
-            a = att[l, h]
-            out["prev"][l, h] = sum(a[i, i - 1] for i in range(1, T)) / T
-            out["self"][l, h] = sum(a[i, i] for i in range(T)) / T
-            out["next"][l, h] = sum(a[i, i + 1] for i in range(T - 1)) / T
-            out["cls"][l, h] = sum(a[i, 0] for i in range(T)) / T
-            out["sep"][l, h] = sum(a[i, j] for i in range(T) for j in seps) / T
-            out["punct"][l, h] = sum(a[i, j] for i in range(T) for j in punct) / T
-            ent = 0.0
-            for i in range(T):
-                y = [(1 - s) * a[i, j] + s / T for j in range(T)]
-                ent -= sum(v * math.log(v) for v in y)
-            out["entropy"][l, h] = ent / T
     return out
 
 
@@ -176,17 +108,18 @@ def test_distances_equal_a_per_sentence_loop(model, pairs, path, dtype):
     # batches of up to 3 sequences of different lengths: padding in every batch
     totals = clustering.head_distances(enc, encoded, PieceAttention() if path == "piece maps" else None, "cpu",
                                        SMOOTHING, max_tokens=4096, max_batch_size=3, dtype=dtype)
-    ref = reference_inputs(tok, sentences, pairs)
+    ref = reference.reference_inputs(tok, sentences, pairs)
     read = [r for r in ref if len(r[0]["input_ids"]) <= enc.max_length]
     assert len(read) < len(ref)  # the long sentence is skipped on both sides
     assert sorted(encoded[k].input_ids for k in totals.read) == sorted(r[0]["input_ids"] for r in read)
     assert totals.n_tokens == sum(len(r[0]["input_ids"]) for r in read)
     want_js, want_stats = 0.0, {}
     for ids, pieces, special in read:
-        att = eager_maps(eager, ids)
+        att = reference.eager_maps(eager, ids)
         want_js = want_js + loop_js(att)
-        for k, v in loop_stats(att, pieces, special).items():
-            want_stats[k] = want_stats.get(k, 0) + v / len(read)
+        loops = reference.head_stats_by_loops(att, pieces, special)
+        for k in STATS:
+            want_stats[k] = want_stats.get(k, 0) + loops[k] / len(read)
     got = totals.js.cpu().numpy()
     assert got.shape == want_js.shape and got.dtype == np.float64
     # float64: the float32 maps' own differences (engine and eager forward); float32 arithmetic: each row's JS is a

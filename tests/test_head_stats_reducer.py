@@ -23,25 +23,13 @@ from probes.analysis.clark import head_stats
 from probes.data.conllu import read_conllu
 from probes.model.inputs import encode_words
 from probes.model.tiny import tiny_folder
+from tests import reference
 
 MAX_POSITIONS = 40
 DOCS = [["The cat sat on the mat .", "It was warm , and quiet ."],
         ["Dogs bark .", "Nobody sleeps , ever .", "A wheel rolled by , slowly , in the dark night ."],
         ["Hello there !", " ".join(["very"] * 45) + " long ."],  # the second is above MAX_POSITIONS pieces
         ["Yes .", "No , thanks ."]]
-MARKERS = ("##", "\u0120", "\u2581")
-
-
-def conllu(docs) -> str:
-    out = []
-    for d, sents in enumerate(docs):
-        out.append(f"# newdoc id = doc{d}")
-        for k, s in enumerate(sents):
-            out.append(f"# sent_id = doc{d}-{k}")
-            out += [f"{i + 1}\t{w}\t_\t_\t_\t_\t{i}\t{'root' if i == 0 else 'dep'}\t_\t_"
-                    for i, w in enumerate(s.split())]
-            out.append("")
-    return "\n".join(out) + "\n"
 
 
 @pytest.fixture(scope="module", params=["bert", "llama"])  # an encoder; a decoder (causal, no separator alone)
@@ -51,68 +39,8 @@ def model(request, tmp_path_factory):
     enc = probes.load_encoder(str(folder))
     eager = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
     path = root / "dev.conllu"
-    path.write_text(conllu(DOCS))
+    path.write_text(reference.conllu_documents(DOCS))
     return request.param, enc, eager, AutoTokenizer.from_pretrained(str(folder)), read_conllu(path)
-
-
-def reference_inputs(tok, sentences, pairs: bool) -> list[tuple[dict, list[str], list[bool]]]:
-    """(the tokenizer's inputs, piece strings without markers, special-token flags) of every sequence, the tokenizer on the raw text:
-    each sentence alone, or consecutive sentences of a document as the tokenizer's own pair."""
-    texts = [(" ".join(s.words),) for s in sentences]
-    if pairs:
-        texts, i = [], 0
-        while i + 1 < len(sentences):
-            if sentences[i].doc_id == sentences[i + 1].doc_id:
-                texts.append((" ".join(sentences[i].words), " ".join(sentences[i + 1].words)))
-                i += 2
-            else:
-                i += 1
-    out = []
-    for t in texts:
-        enc = tok(*t, return_special_tokens_mask=True)
-        pieces = []
-        for p in tok.convert_ids_to_tokens(enc["input_ids"]):
-            for m in MARKERS:
-                p = p[len(m):] if p.startswith(m) else p
-            pieces.append(p)
-        inputs = {k: enc[k] for k in ("input_ids", "token_type_ids") if k in enc}
-        out.append((inputs, pieces, [bool(x) for x in enc["special_tokens_mask"]]))
-    return out
-
-
-def loop_stats(att: np.ndarray, pieces: list[str], special: list[bool], s: float = 1e-4) -> dict[str, np.ndarray]:
-    """Every statistic of one sequence's (L, H, T, T) map by loops: separators are the specials after position 0,
-    punctuation the ``.`` / ``,`` pieces that are not specials and not at either end."""
-    L, H, T, _ = att.shape
-    seps = [j for j in range(1, T) if special[j]]
-    punct = [j for j in range(1, T - 1) if pieces[j] in (".", ",") and not special[j]]
-    out = {k: np.zeros((L, H)) for k in head_stats.HEAD_STATS}
-    for l in range(L):
-        for h in range(H):
-            a = att[l, h]
-            ents = []
-            for i in range(T):
-                y = [(1 - s) * a[i, j] + s / T for j in range(T)]
-                ents.append(-sum(v * math.log(v) for v in y))
-            out["prev"][l, h] = sum(a[i, i - 1] for i in range(1, T)) / T
-            out["self"][l, h] = sum(a[i, i] for i in range(T)) / T
-            out["next"][l, h] = sum(a[i, i + 1] for i in range(T - 1)) / T
-            out["cls"][l, h] = sum(a[i, 0] for i in range(T)) / T
-            to_sep = [sum(a[i, j] for j in seps) for i in range(T)]
-            out["sep"][l, h] = sum(to_sep) / T
-            rest = [i for i in range(T) if i not in seps]
-            out["sep_sep"][l, h] = sum(to_sep[i] for i in seps) / len(seps) if seps else float("nan")
-            out["rest_sep"][l, h] = sum(to_sep[i] for i in rest) / len(rest) if rest else float("nan")
-            out["punct"][l, h] = sum(a[i, j] for i in range(T) for j in punct) / T
-            out["entropy"][l, h] = sum(ents) / T
-            out["cls_entropy"][l, h] = ents[0]
-    return out
-
-
-def eager_maps(eager, inputs: dict) -> np.ndarray:
-    with torch.no_grad():
-        att = eager(**{k: torch.tensor([v]) for k, v in inputs.items()}, output_attentions=True).attentions
-    return torch.stack(att)[:, 0].double().numpy()  # (L, H, T, T)
 
 
 @pytest.mark.parametrize("pairs", [False, True])
@@ -123,13 +51,13 @@ def test_head_stats_equal_a_per_sentence_loop(model, pairs):
     # batches of up to 3 sequences of different lengths: padding in every batch
     acc, n_sentences, counts, (first, any_sep) = head_stats._compute(enc, sentences, "cpu", pairs, max_tokens=4096,
                                                                      max_batch_size=3)
-    ref = reference_inputs(tok, sentences, pairs)
+    ref = reference.reference_inputs(tok, sentences, pairs)
     read = [r for r in ref if len(r[0]["input_ids"]) <= enc.max_length]
     assert len(read) < len(ref)  # the long sentence is skipped on both sides
     assert counts.n_sequences == len(read) and counts.n_skipped == len(ref) - len(read)
     want = {}
     for ids, pieces, special in read:
-        for k, v in loop_stats(eager_maps(eager, ids), pieces, special).items():
+        for k, v in reference.head_stats_by_loops(reference.eager_maps(eager, ids), pieces, special).items():
             want[k] = want.get(k, 0) + v / len(read)
     got = acc.result()
     assert any_sep == (family == "bert")
@@ -150,7 +78,7 @@ def test_sink_alpha_equals_a_per_sentence_loop(model):
     encoded = encode_words(enc.tokenizer, [list(s.words) for s in fits])
     alpha = first_token_alpha(enc, encoded, "cpu", max_batch_size=3, max_tokens=64)  # (N, L, H)
     for n, s in enumerate(fits):
-        att = eager_maps(eager, {"input_ids": tok(" ".join(s.words))["input_ids"]})
+        att = reference.eager_maps(eager, {"input_ids": tok(" ".join(s.words))["input_ids"]})
         T = att.shape[-1]
         want = np.array([[sum(att[l, h, i, 0] for i in range(T)) / T for h in range(att.shape[1])]
                          for l in range(att.shape[0])])

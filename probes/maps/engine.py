@@ -395,15 +395,10 @@ class MapEngine:
         the attention of the chosen layers handed to the reducer as whole maps, or in blocks of query rows when a
         batch's whole maps exceed the budget (documents: no whole map). Refused before any forward when a batch's
         reduced output cannot fit (:meth:`check_fits`) or the kind cannot be reduced."""
-        if not hasattr(self.measure, "reduce"):
-            raise ValueError(f"{self.kind} maps cannot be reduced block by block (it needs every layer's whole map); "
-                             "use kind=attention, or iter_word_maps / iter_piece_maps")
-        self._check_batches(items, reducer)
-
         def step(inp, positions, its):
             yield from zip(positions, self.reduce(inp, reducer, positions, its))
 
-        return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
+        return self._iter_reduce(items, reducer, desc, progress, step)
 
     def iter_reduced_batches(self, items: Sequence[Encoded], reducer: Reducer, desc: str = "reduced maps",
                              progress: bool = True) -> Iterator[tuple[list[int], object]]:
@@ -411,14 +406,18 @@ class MapEngine:
         and ``reducer``'s :meth:`~probes.maps.reducers.Reducer.batch_results` (batched tensors on the maps' device,
         leading dim B in the order of ``positions``), as :meth:`iter_reduced` computes them; nothing is split per
         item or copied to the host."""
+        def step(inp, positions, its):
+            yield list(positions), self.reduce(inp, reducer, positions, its, batched=True)
+
+        return self._iter_reduce(items, reducer, desc, progress, step)
+
+    def _iter_reduce(self, items: Sequence[Encoded], reducer: Reducer, desc: str, progress: bool, step) -> Iterator:
+        """:meth:`_iter` of padded batches through ``step`` once the kind is known to reduce and every batch to fit
+        (both refused before any forward)."""
         if not hasattr(self.measure, "reduce"):
             raise ValueError(f"{self.kind} maps cannot be reduced block by block (it needs every layer's whole map); "
                              "use kind=attention, or iter_word_maps / iter_piece_maps")
         self._check_batches(items, reducer)
-
-        def step(inp, positions, its):
-            yield list(positions), self.reduce(inp, reducer, positions, its, batched=True)
-
         return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
 
     def _check_batches(self, items: Sequence[Encoded], reducer: Reducer, reduced: bool = True) -> None:

@@ -51,8 +51,9 @@ import pandas as pd
 import torch
 
 from probes.analysis import plots
+from probes.analysis.clark.head_stats import document_inputs
 from probes.analysis.clark.metrics import is_causal
-from probes.data.documents import DocumentSource, encode_document
+from probes.data.documents import DocumentSource
 from probes.maps import HeadStats, MapEngine
 from probes.measures.attention import Attention
 from probes.model.families import special_ids
@@ -235,27 +236,14 @@ def sink(ctx, *, split: str = "dev", window: int = 64, max_windows: int | None =
 
 def _documents(encoder, documents: str, sources: Mapping[str, DocumentSource], max_documents: int | None
                ) -> tuple[list[Encoded], dict]:
-    """(the whole documents of ``sources[documents]`` that fit the encoder, each encoded with its specials; the
-    summary's entries: what was read, what was skipped and why)."""
-    if documents not in sources:
-        raise ValueError(f"analysis.documents={documents!r}: expected one of {sorted(sources)} (the documents of "
-                         "conf/analyze.yaml) or null")
-    if max_documents is not None and int(max_documents) < 1:
-        raise ValueError(f"analysis.max_documents={max_documents}: expected a positive number or null")
-    docs = sources[documents].read()[:max_documents]
-    encoded = [encode_document(encoder.tokenizer, d) for d in docs]
-    keep = [e for e in encoded if e.n_pieces <= encoder.max_length]
-    skipped = {e.document.name: e.n_pieces for e in encoded if e.n_pieces > encoder.max_length}
-    if not keep:
-        raise ValueError(f"sink: none of the {len(docs)} documents of {documents!r} fits {encoder.name}'s "
-                         f"{encoder.max_length} pieces (shortest: {min(skipped.values())} pieces)")
-    if skipped:
-        log.warning("sink: %d of %d documents are longer than %d pieces and are skipped", len(skipped), len(docs),
-                    encoder.max_length)
-    lengths = [e.n_pieces for e in keep]
-    return [e.encoded for e in keep], dict(
+    """(the whole documents of ``sources[documents]`` that fit the encoder, each encoded with its specials
+    (:func:`probes.analysis.clark.head_stats.document_inputs`, as head_stats reads them); the summary's entries: what
+    was read, what was skipped and why)."""
+    encoded, counts = document_inputs(encoder, documents, sources, max_documents, "sink")
+    lengths = [e.n_pieces for e in encoded]
+    return encoded, dict(
         input="documents", documents=documents, source_path=str(sources[documents].path),
-        max_documents=max_documents, n_input_documents=len(docs), n_documents=len(keep),
-        n_skipped_documents=len(skipped), skipped_documents=skipped,
+        max_documents=max_documents, n_input_documents=counts.n_input_documents, n_documents=counts.n_documents,
+        n_skipped_documents=counts.n_skipped_documents, skipped_documents=counts.skipped,
         documents_left_out=f"longer than encoder.max_length = {encoder.max_length} pieces (one input each)",
         pieces=dict(min=min(lengths), mean=round(float(np.mean(lengths)), 1), max=max(lengths)))

@@ -69,7 +69,7 @@ import torch
 from probes.analysis import plots
 from probes.analysis.clark.metrics import HEAD_STATS, HeadStatsTotals, PunctFlags, is_causal, punct_positions
 from probes.analysis.naming import head_name
-from probes.data.documents import Document, DocumentSource, encode_document
+from probes.data.documents import DocumentSource, encode_document
 from probes.maps import HeadStats, MapEngine
 from probes.measures.attention import Attention
 from probes.model.families import is_byte_level
@@ -299,15 +299,31 @@ class DocumentCounts:
             n_skipped_documents=f"longer than encoder.max_length = {max_length} pieces (one sequence each)"))
 
 
-def document_inputs(encoder, docs: Sequence[Document]) -> tuple[list[Encoded], DocumentCounts, list[int]]:
-    """(the documents that fit ``encoder.max_length`` pieces encoded whole, each with the tokenizer's specials
-    (:func:`probes.data.documents.encode_document`); their :class:`DocumentCounts`; their indices in ``docs``)."""
+def document_inputs(encoder, documents: str, sources: Mapping[str, DocumentSource], max_documents: int | None,
+                    analysis: str) -> tuple[list[Encoded], DocumentCounts]:
+    """The whole documents of ``sources[documents]`` (the first ``max_documents``) that fit ``encoder.max_length``
+    pieces, each encoded with the tokenizer's specials (:func:`probes.data.documents.encode_document`), and their
+    :class:`DocumentCounts`: the ``documents`` input of ``analysis`` (head_stats, sink). The keys are checked and a
+    source of which no document fits is refused, naming it, before any forward; skipped documents are logged."""
+    if documents not in sources:
+        raise ValueError(f"analysis.documents={documents!r}: expected one of {sorted(sources)} (the documents of "
+                         "conf/analyze.yaml) or null")
+    if max_documents is not None and int(max_documents) < 1:
+        raise ValueError(f"analysis.max_documents={max_documents}: expected a positive number or null")
+    docs = sources[documents].read()[:max_documents]
     enc = [encode_document(encoder.tokenizer, d) for d in docs]
     keep = [k for k, e in enumerate(enc) if e.n_pieces <= encoder.max_length]
     skipped = {docs[k].name: enc[k].n_pieces for k in range(len(docs)) if k not in set(keep)}
     counts = DocumentCounts(len(docs), len(keep), len(skipped), sum(docs[k].n_sentences for k in keep),
                             sum(enc[k].n_pieces for k in keep), skipped)
-    return [enc[k].encoded for k in keep], counts, keep
+    if not keep:
+        raise ValueError(f"{analysis}: none of the {len(docs)} documents of {documents!r} fits {encoder.name}'s "
+                         f"{encoder.max_length} pieces (shortest: {min(skipped.values())} pieces); use a model that "
+                         "reads longer sequences")
+    if skipped:
+        log.warning("%s: %d of %d documents are longer than %d pieces and are skipped", analysis, len(skipped),
+                    len(docs), encoder.max_length)
+    return [enc[k].encoded for k in keep], counts
 
 
 def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pairs: bool = True,
@@ -345,20 +361,7 @@ def head_stats(ctx, *, split: str = "dev", max_sentences: int | None = None, pai
 def _document_stats(ctx, documents: str, sources: Mapping[str, DocumentSource], max_documents: int | None,
                     max_tokens: int, max_batch_size: int, top_k: int, t0: float) -> pd.DataFrame:
     """head_stats on whole documents (:func:`head_stats`' ``documents``)."""
-    if documents not in sources:
-        raise ValueError(f"analysis.documents={documents!r}: expected one of {sorted(sources)} (the documents of "
-                         "conf/analyze.yaml) or null")
-    if max_documents is not None and int(max_documents) < 1:
-        raise ValueError(f"analysis.max_documents={max_documents}: expected a positive number or null")
-    docs = sources[documents].read()[:max_documents]
-    encoded, counts, _ = document_inputs(ctx.encoder, docs)
-    if not encoded:
-        raise ValueError(f"head_stats: none of the {len(docs)} documents of {documents!r} fits {ctx.encoder.name}'s "
-                         f"{ctx.encoder.max_length} pieces (shortest: {min(counts.skipped.values())} pieces); use a "
-                         "model that reads longer sequences")
-    if counts.skipped:
-        log.warning("head_stats: %d of %d documents are longer than %d pieces and are skipped", len(counts.skipped),
-                    len(docs), ctx.encoder.max_length)
+    encoded, counts = document_inputs(ctx.encoder, documents, sources, max_documents, "head_stats")
     acc, _, has_sep = sequence_stats(ctx.encoder, encoded, ctx.device, max_tokens=max(max_tokens, max(
         e.n_pieces for e in encoded)), max_batch_size=max_batch_size,
         attention_budget_mb=float(ctx.extract_cfg.attention_budget_mb))
