@@ -363,6 +363,24 @@ class MapEngine:
 
         return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
 
+    def iter_piece_map_batches(self, items: Sequence[Encoded], desc: str = "maps", progress: bool = True
+                               ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """Yield ``(positions, lengths, maps)`` for every batch of ``items``, nothing split per item or copied to the
+        host: the positions of its items in ``items``, ``lengths`` (B,) long their pieces and ``maps``
+        (B, L', H', T, T) float32 their piece maps, on the maps' device. Item j's block ``maps[j, :, :, :t, :t]``
+        (t = ``lengths[j]``) equals :meth:`iter_piece_maps`' map of it; every entry outside it (padded rows and
+        columns) is 0."""
+        def step(inp, positions, its):  # inp: input_ids, attention_mask (, token_type_ids): (B, T) each
+            maps = torch.stack(self.piece_maps(inp["input_ids"], inp["attention_mask"], inp.get("token_type_ids")),
+                               1).float()  # (B, L', H', T, T)
+            T = maps.shape[-1]
+            lengths = torch.as_tensor([it.n_pieces for it in its], device=maps.device)  # (B,)
+            real = torch.arange(T, device=maps.device)[None, :] < lengths[:, None]  # (B, T)
+            inside = (real[:, :, None] & real[:, None, :])[:, None, None]  # (B, 1, 1, T, T)
+            yield list(positions), lengths, maps.masked_fill_(~inside, 0.0)
+
+        return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
+
     def iter_word_maps(self, items: Sequence[Encoded], dtype: torch.dtype = torch.float32, desc: str = "word maps",
                        progress: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(k, (L', H', W_k, W_k) word maps in dtype)`` of every ``items[k]``, in batch order; W_k =

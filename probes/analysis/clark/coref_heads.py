@@ -51,16 +51,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
+import torch
 
 from probes.analysis import plots
+from probes.analysis.cached import word_map_batches
+from probes.analysis.clark.metrics import most_attended
 from probes.analysis.naming import head_name, model_layers
 from probes.data.coref import (CorefDocument, Mention, pronoun_features, read_gum_coref, read_litbank,
                                read_ontogum)
@@ -233,39 +235,106 @@ def head_predictions(attn: np.ndarray, heads: np.ndarray) -> np.ndarray:
     """Most-attended word (local index) of each mention head for every (layer, head).
 
     attn: (L, H, W, W) word-level map with [CLS] first and [SEP] last; heads: (M,) local word
-    indices. Attention to the word itself, [CLS] and [SEP] is ignored. Returns (L, H, M).
+    indices. Attention to the word itself, [CLS] and [SEP] is ignored (:func:`~probes.analysis.clark.metrics.
+    most_attended`). Returns (L, H, M).
     """
-    W = attn.shape[-1]
-    rows = attn[:, :, heads + 1, 1:W - 1].astype(np.float32)  # (L, H, M, n)
-    rows[:, :, np.arange(len(heads)), heads] = -np.inf
-    return rows.argmax(-1)
+    a = torch.as_tensor(np.asarray(attn, dtype=np.float32))[None]  # (1, L, H, W, W)
+    pred = most_attended(a, torch.tensor([a.shape[-1] - 2]))[0] - 1  # (L, H, n) 0-based
+    return pred[..., torch.as_tensor(np.asarray(heads, dtype=np.int64))].numpy()
+
+
+class MentionLabels:
+    """The evaluated mentions of many segments as flat tensors, prepared once (:class:`CorefAccumulator` reads
+    a batch of segments by index, no per-segment Python in its loop): per mention (flat, in segment order)
+    ``segment`` its segment (position in the list given), ``head`` its head word (local, 0-based), ``group`` its
+    row in :data:`GROUPS` (its mention type); per (mention, antecedent head) pair ``pair_mention``, ``pair_word``."""
+
+    def __init__(self, items: Sequence[Sequence[EvaluatedMention]]):
+        seg, head, group, pm, pw = [], [], [], [], []
+        for s, its in enumerate(items):
+            for it in its:
+                pm += [len(head)] * len(it.antecedent_heads)
+                pw += sorted(it.antecedent_heads)
+                seg.append(s)
+                head.append(it.head)
+                group.append(GROUPS.index(it.mtype))
+        self.segment, self.head, self.group = (torch.tensor(x, dtype=torch.long) for x in (seg, head, group))  # (M,)
+        self.pair_mention, self.pair_word = (torch.tensor(x, dtype=torch.long) for x in (pm, pw))  # (A,)
+        self.n_segments = len(items)
+
+    def to(self, device: torch.device | str) -> MentionLabels:
+        """The tensors moved to ``device`` (in place); returns self."""
+        for k in ("segment", "head", "group", "pair_mention", "pair_word"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
+
+    def batch(self, index: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(b, head, group, antecedent) of the mentions of the segments ``index`` (B,): b (M',) the position of
+        each one's segment in ``index``, head, group (M',), antecedent (M', N + 1) bool: column w + 1 is True when
+        local word w heads one of the mention's antecedents (column 0: ROOT, never)."""
+        where = torch.full((self.n_segments,), -1, dtype=torch.long, device=index.device)
+        where[index] = torch.arange(len(index), device=index.device)  # (S,) position in the batch, -1: not in it
+        b = where[self.segment]  # (M,)
+        mine = (b >= 0).nonzero()[:, 0]  # (M',) the batch's mentions
+        local = torch.full_like(self.segment, -1)
+        local[mine] = torch.arange(len(mine), device=index.device)  # (M,) row among them
+        pairs = local[self.pair_mention]  # (A,)
+        ante = torch.zeros(len(mine), N + 1, dtype=torch.bool, device=index.device)  # (M', N + 1)
+        ante[pairs[pairs >= 0], self.pair_word[pairs >= 0] + 1] = True
+        return b[mine], self.head[mine], self.group[mine], ante
 
 
 class CorefAccumulator:
-    """Correct counts per (mention type, layer, head) and per baseline."""
+    """Correct counts per (mention type, layer, head) and per baseline: the baselines and the per-mention rows
+    from the mentions alone (:meth:`add_mentions`), the heads from the segments' word maps a batch at a time
+    (:meth:`add_batch`, sums kept on the maps' device); :meth:`add`: one segment, both."""
 
     def __init__(self, num_layers: int, num_heads: int):
         self.L, self.H = num_layers, num_heads
-        self.correct = {g: np.zeros((num_layers, num_heads), dtype=np.int64) for g in GROUPS}
         self.base = {g: dict.fromkeys(BASELINES, 0) for g in GROUPS}
         self.count = dict.fromkeys(GROUPS, 0)
         self.rows: list[dict] = []
+        self._correct: torch.Tensor | None = None  # (G, L, H) long, G = len(GROUPS), on the maps' device
 
     def add(self, attn: np.ndarray | None, items: list[EvaluatedMention]) -> None:
+        """One segment: its (L, H, W, W) word maps (None: baselines only) and its evaluated mentions."""
         if not items:
             return
+        self.add_mentions(items)
         if attn is not None:
-            pred = head_predictions(attn, np.array([it.head for it in items]))  # (L, H, M)
-        for k, it in enumerate(items):
+            a = torch.as_tensor(np.asarray(attn, dtype=np.float32))[None]  # (1, L, H, W, W)
+            self.add_batch(a, torch.tensor([a.shape[-1] - 2]), MentionLabels([items]), torch.zeros(1, dtype=torch.long))
+
+    def add_mentions(self, items: list[EvaluatedMention]) -> None:
+        """The counts, baseline hits and rows of ``items`` (no maps)."""
+        for it in items:
             hit = {b: it.predictions[b] in it.antecedent_heads for b in BASELINES}
             for g in ("all", it.mtype):
                 self.count[g] += 1
-                if attn is not None:
-                    self.correct[g] += np.isin(pred[:, :, k], list(it.antecedent_heads))
                 for b in BASELINES:
                     self.base[g][b] += hit[b]
             self.rows.append(dict(doc_id=it.doc_id, segment=it.segment, head_word=it.head, mention_type=it.mtype,
                                   n_antecedents=len(it.antecedent_heads), **hit))
+
+    def add_batch(self, maps: torch.Tensor, n_words: torch.Tensor, labels: MentionLabels, index: torch.Tensor) -> None:
+        """maps: (B, L, H, W, W) word maps of the segments ``index`` (B,) of ``labels``, padded to W (segment b's
+        n_words[b] words at 1..n_b); counts every mention whose head word's most-attended other word heads one of
+        its antecedents."""
+        b, head, group, ante = labels.batch(index, maps.shape[-1] - 2)  # (M',) x 3, (M', N + 1)
+        pred = most_attended(maps, n_words)  # (B, L, H, N) 1-based
+        mention = pred[b, :, :, head]  # (M', L, H)
+        hit = ante.gather(1, mention.reshape(len(b), -1)).view(len(b), self.L, self.H).long()  # (M', L, H)
+        add = torch.zeros(len(GROUPS), self.L, self.H, dtype=torch.long, device=maps.device)  # (G, L, H)
+        add.index_add_(0, group, hit)
+        add[0] = hit.sum(0)  # all
+        self._correct = add if self._correct is None else self._correct + add
+
+    @property
+    def correct(self) -> dict[str, np.ndarray]:
+        """group -> (L, H) correct predictions of every head."""
+        c = (self._correct.cpu().numpy() if self._correct is not None
+             else np.zeros((len(GROUPS), self.L, self.H), dtype=np.int64))
+        return dict(zip(GROUPS, c))
 
     def head_accuracy(self, group: str) -> np.ndarray:
         return self.correct[group] / max(1, self.count[group])
@@ -408,10 +477,18 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
              len(docs), sum(len(d.mentions) for d in docs), len(segments), max_length)
     cache = coref_cache(ctx, docs, segments, dataset, split, digest, max_length, max_documents)
     acc = CorefAccumulator(cache.num_layers, cache.num_heads)
-    for i, g in enumerate(tqdm(segments, desc="coref_heads", unit="seg", disable=None)):
-        items = segment_items(docs[g.doc], g, i)
-        if items:
-            acc.add(np.asarray(cache[i], dtype=np.float32), items)
+    items = [segment_items(docs[g.doc], g, i) for i, g in enumerate(segments)]
+    for its in items:
+        acc.add_mentions(its)
+    labels = MentionLabels(items).to(ctx.device)
+    scored = [i for i, its in enumerate(items) if its]  # segments with a mention to evaluate
+    missing = [i for i in scored if i not in cache]
+    if missing:
+        raise KeyError(f"cache {cache.path}: {len(missing)} segment(s) with mentions to evaluate are not in it "
+                       f"(first: {missing[0]}); rebuild it (delete the folder)")
+    for batch, maps, n in word_map_batches(cache, scored, [segments[i].word_end - segments[i].word_start
+                                                           for i in scored], ctx.device, desc="coref_heads"):
+        acc.add_batch(maps, n, labels, torch.as_tensor(batch, device=maps.device))  # maps: (B, L, H, W, W)
     heads, table = tables(acc, cache.layers)
     ctx.save_table(heads, "coref_heads")
     ctx.save_table(table, "coref_table")

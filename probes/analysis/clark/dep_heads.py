@@ -72,8 +72,9 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
+import torch
 
+from probes.analysis.cached import word_map_batches
 from probes.analysis.clark.metrics import DIRECTIONS, DepAccumulator, is_causal
 from probes.analysis.naming import head_name, model_layers
 
@@ -118,14 +119,18 @@ def relation_map() -> pd.DataFrame:
 
 def evaluate(cache, sentences, num_layers: int, num_heads: int, offsets=(-3, -2, -1, 0, 1, 2),
              exclude=("root", "punct"), poss_relations=("nmod:poss",), strip_subtypes: bool = False,
-             progress: bool = True, causal: bool = False) -> DepAccumulator:
-    """Run :class:`DepAccumulator` over the cached sentences (skipped ones are left out); ``causal``: the
-    decoders' direction rule (module doc)."""
+             progress: bool = True, causal: bool = False, device: str = "cpu",
+             batch_mb: float | None = None) -> DepAccumulator:
+    """Run :class:`DepAccumulator` over the cached sentences (skipped ones are left out) a batch at a time on
+    ``device`` (:func:`probes.analysis.cached.word_map_batches`: at most ``batch_mb`` MiB of maps per batch, None:
+    its default for the device; the gold trees prepared once,
+    :class:`~probes.analysis.clark.metrics.DepLabels`); ``causal``: the decoders'
+    direction rule (module doc)."""
     acc = DepAccumulator(num_layers, num_heads, offsets, exclude, poss_relations, strip_subtypes, causal)
-    for i, s in enumerate(tqdm(sentences, desc="dep_heads", unit="sent", disable=None if progress else True)):
-        if i not in cache:
-            continue
-        acc.add(np.asarray(cache[i], dtype=np.float32), s.words, s.heads, s.deprels)
+    labels = acc.labels([(s.words, s.heads, s.deprels) for s in sentences]).to(device)
+    for batch, maps, _ in word_map_batches(cache, range(len(sentences)), [len(s.words) for s in sentences], device,
+                                           batch_mb, desc="dep_heads", progress=progress):
+        acc.add_batch(maps, labels, torch.as_tensor(batch, device=maps.device))  # maps: (B, L, H, W, W)
     return acc
 
 
@@ -208,7 +213,7 @@ def dep_heads(ctx, *, split: str = "dev", max_sentences: int | None = None, min_
     cache, sentences = ctx.cache(split, max_sentences)
     causal = is_causal(ctx.encoder)
     acc = evaluate(cache, sentences, cache.num_layers, cache.num_heads, list(offsets), list(exclude),
-                   list(poss_relations), strip_subtypes, causal=causal)
+                   list(poss_relations), strip_subtypes, causal=causal, device=ctx.device)
     dep, off, table = tables(acc, min_count, cache.layers)
     ctx.save_table(dep, "dep_heads")
     ctx.save_table(off, "dep_offsets")

@@ -236,38 +236,45 @@ class PunctFlags:
 
 
 # ------------------------------------------------------------------------------------------ §4
-def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False, causal: bool = False) -> np.ndarray:
-    """Most-attended other word of every word, per head (Clark's ``attn_head_predictor``).
+def most_attended(maps: torch.Tensor, n_words: torch.Tensor, transpose: bool = False,
+                  causal: bool = False) -> torch.Tensor:
+    """Most-attended other word of every word of a batch of word maps, per head (Clark's ``attn_head_predictor``).
 
-    word_attn: (L, H, W, W) word-level maps, W = n + 2. ``transpose=False`` (dep2head): word j's
-    prediction is the word its row attends to most; ``transpose=True`` (head2dep): the word that
-    attends most to j. Attention to self and to [CLS]/[SEP] is ignored. Returns (L, H, n) int,
-    1-based word indices. A one-word sentence predicts the word itself (never a correct head).
+    maps: (B, L, H, W, W) word maps padded to one side W (item b: [CLS] at 0, its n_b words at 1..n_b, [SEP] at
+    n_b + 1; anything beyond is never read); n_words: (B,) n_b. ``transpose=False`` (dep2head): word j's
+    prediction is the word its row attends to most; ``transpose=True`` (head2dep): the word that attends most to
+    j. Attention to self and to [CLS]/[SEP] is ignored; ties go to the first word. Returns (B, L, H, W - 2) long,
+    1-based word indices (entries of j >= n_b are meaningless). A one-word item predicts the word itself (never a
+    correct head).
 
-    ``causal`` (decoders: row i sees words <= i only): the candidates are the words a head can see in
-    that direction: dep2head, the words *before* j (j's row); head2dep, the words *after* j (the rows
-    that see j). So dep2head can only be right when the gold head precedes the dependent, head2dep
-    only when it follows; a word with no candidate (the first word in dep2head, the last in head2dep)
-    predicts 0 (ROOT), which is never a scored head.
+    ``causal`` (decoders: row i sees words <= i only): the candidates are the words a head can see in that
+    direction: dep2head, the words *before* j (j's row); head2dep, the words *after* j (the rows that see j). A
+    word with no candidate (the first word in dep2head, the last in head2dep) predicts 0 (ROOT), never a scored
+    head.
     """
-    a = torch.as_tensor(np.asarray(word_attn, dtype=np.float32))
-    if transpose:
-        a = a.transpose(-1, -2)
-    a = a[..., 1:-1, 1:-1].clone()  # (L, H, n, n) words only
-    n = a.shape[-1]
-    idx = torch.arange(n)
-    a[..., idx, idx] = float("-inf")
+    a = maps[..., 1:-1, 1:-1]  # (B, L, H, N, N) N = W - 2: the word positions of the widest item
+    N = a.shape[-1]
+    idx = torch.arange(N, device=a.device)
+    # cand[b, j, k]: word k is a candidate for word j (dep2head: in j's row; head2dep: in j's column)
+    cand = (idx[None, None, :] < n_words.to(a.device)[:, None, None]) & (idx[:, None] != idx[None, :])  # (B, N, N)
+    if causal:  # dep2head candidates k < j; head2dep candidates k > j
+        cand = cand & ((idx[None, :] < idx[:, None]) if not transpose else (idx[None, :] > idx[:, None]))
+    # max(dim).indices: the first maximum, as argmax, and faster on a CPU (also along dim -2)
+    if transpose:  # column j: the most attending row k (no transposed copy)
+        pred = a.masked_fill(~cand.transpose(1, 2)[:, None, None], float("-inf")).max(-2).indices + 1  # (B, L, H, N)
+    else:
+        pred = a.masked_fill(~cand[:, None, None], float("-inf")).max(-1).indices + 1  # (B, L, H, N); none: 0 + 1
     if causal:
-        # row j of a: dep2head candidates k < j; head2dep (transposed) candidates k > j
-        visible = idx[None, :] < idx[:, None] if not transpose else idx[None, :] > idx[:, None]  # (n, n)
-        a = a.masked_fill(~visible, float("-inf"))
-        pred = a.argmax(-1) + 1  # (L, H, n)
-        none = ~visible.any(-1)  # (n,) words without a candidate
-        pred[..., none] = 0
-        return pred.numpy()
-    if n == 1:
-        return np.ones(a.shape[:-1], dtype=np.int64)
-    return a.argmax(-1).numpy() + 1
+        pred.masked_fill_(~cand.any(-1)[:, None, None], 0)  # words without a candidate: ROOT
+    return pred
+
+
+def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False, causal: bool = False) -> np.ndarray:
+    """:func:`most_attended` of one item's word maps ``word_attn`` (L, H, W, W), W = n + 2: (L, H, n) int,
+    1-based word indices (0: no candidate, ``causal`` only)."""
+    a = torch.as_tensor(np.asarray(word_attn, dtype=np.float32))  # (L, H, W, W)
+    n = a.shape[-1] - 2
+    return most_attended(a[None], torch.tensor([n]), transpose, causal)[0].numpy()
 
 
 def offset_predictions(n: int, offset: int) -> np.ndarray:
@@ -294,13 +301,62 @@ def evaluation_positions(words: Sequence[str], deprels: Sequence[str], poss_rela
     return pos
 
 
+class DepLabels:
+    """The gold trees of many sentences as flat tensors, prepared once (:class:`DepAccumulator` reads a batch of
+    them by index, no per-sentence Python in its loop).
+
+    Per sentence s (in the order given): ``n[s]`` words stored from ``start[s]``; per word (flat, sum of n):
+    ``head`` the gold head (1-based, 0 = root), ``rel`` the row of its relation in ``relations`` (-1: not scored:
+    attached to the root or a relation in ``exclude``), ``pos`` the 0-based word whose prediction is scored
+    (:func:`evaluation_positions`). ``relations``: the scored relations in order of first appearance
+    (``strip_subtypes``: ``nmod:poss`` -> ``nmod``).
+    """
+
+    def __init__(self, trees: Sequence[tuple[Sequence[str], Sequence[int], Sequence[str]]],
+                 exclude: Sequence[str] = ("root", "punct"), poss_relations: Sequence[str] = (),
+                 strip_subtypes: bool = False):
+        excluded, row = set(exclude), {}
+        heads, rels, pos, n = [], [], [], []
+        for words, hs, deprels in trees:
+            rs = [r.split(":")[0] if strip_subtypes else r for r in deprels]
+            heads += [int(h) for h in hs]
+            rels += [-1 if h == 0 or r in excluded else row.setdefault(r, len(row)) for h, r in zip(hs, rs)]
+            pos += evaluation_positions(words, rs, poss_relations).tolist()
+            n.append(len(words))
+        self.relations = list(row)
+        self.n = torch.tensor(n, dtype=torch.long)  # (S,)
+        self.start = torch.cumsum(self.n, 0) - self.n  # (S,)
+        self.head = torch.tensor(heads, dtype=torch.long)  # (sum n,)
+        self.rel = torch.tensor(rels, dtype=torch.long)  # (sum n,)
+        self.pos = torch.tensor(pos, dtype=torch.long)  # (sum n,)
+
+    def to(self, device: torch.device | str) -> DepLabels:
+        """The tensors moved to ``device`` (in place); returns self."""
+        for k in ("n", "start", "head", "rel", "pos"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
+
+    def batch(self, index: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(n, head, rel, pos) of the sentences ``index`` (B,), padded to N words: n (B,); head, rel, pos (B, N),
+        rel -1 beyond each sentence's words."""
+        n = self.n[index]  # (B,)
+        j = torch.arange(N, device=n.device)
+        inside = j[None, :] < n[:, None]  # (B, N)
+        flat = torch.where(inside, self.start[index][:, None] + j[None, :], 0)  # (B, N)
+        if not self.head.numel():  # sentences without words
+            return n, torch.zeros_like(flat), torch.full_like(flat, -1), torch.zeros_like(flat)
+        return n, self.head[flat], torch.where(inside, self.rel[flat], -1), self.pos[flat]
+
+
 class DepAccumulator:
-    """Counts correct head predictions per relation, for every head/direction and every offset.
+    """Counts correct head predictions per relation, for every head/direction and every offset, a batch at a time
+    (:meth:`add_batch`: sums kept as tensors on the maps' device; :meth:`add`: one sentence).
 
     Relations in ``exclude`` (and words whose gold head is root) are left out, also of ``all``.
-    ``causal``: the direction rule of decoders (:func:`predict_heads`). ``head_before[rel]`` counts the
+    ``causal``: the direction rule of decoders (:func:`most_attended`). ``head_before[rel]`` counts the
     pairs whose gold head precedes the scored word (those dep2head can get right in a causal model;
-    head2dep can get the others).
+    head2dep can get the others). ``count``, ``head_before``, ``head_correct`` (rel -> (2, L, H)) and
+    ``offset_correct`` (rel -> (n_offsets,)) hold the relations with at least one scored word.
     """
 
     def __init__(self, num_layers: int, num_heads: int, offsets: Sequence[int] = (-3, -2, -1, 0, 1, 2),
@@ -308,49 +364,99 @@ class DepAccumulator:
                  strip_subtypes: bool = False, causal: bool = False):
         self.L, self.H = num_layers, num_heads
         self.causal = bool(causal)
-        self.head_before: dict[str, int] = {}
         self.offsets = list(offsets)
-        self.exclude = set(exclude)
+        self.exclude = list(exclude)
         self.poss_relations = list(poss_relations)
         self.strip_subtypes = strip_subtypes
-        self.count: dict[str, int] = {}
-        self.head_correct: dict[str, np.ndarray] = {}  # rel -> (2, L, H)
-        self.offset_correct: dict[str, np.ndarray] = {}  # rel -> (n_offsets,)
         self.n_sentences = 0
+        self._names: list[str] = ["all"]  # row r of the sums: relation _names[r]
+        self._sums: dict[str, torch.Tensor] | None = None  # count, head_before (R,); head (R, 2, L, H); offset (R, O)
+        self._copied: dict[str, np.ndarray] | None = None
 
-    def _rel(self, r: str) -> str:
-        return r.split(":")[0] if self.strip_subtypes else r
+    def labels(self, trees) -> DepLabels:
+        """:class:`DepLabels` of ``trees`` ((words, heads, deprels) per sentence) under this accumulator's rules."""
+        return DepLabels(trees, self.exclude, self.poss_relations, self.strip_subtypes)
 
     def add(self, word_attn, words: Sequence[str], heads: Sequence[int], deprels: Sequence[str]) -> None:
         """word_attn: (L, H, n + 2, n + 2); words, heads (0 = root, 1-based), deprels: (n,)."""
-        n = len(words)
-        assert np.shape(word_attn)[-1] == n + 2, (np.shape(word_attn), n)
-        rels = [self._rel(r) for r in deprels]
-        heads = np.asarray(heads)
-        keep = np.array([h != 0 and r not in self.exclude for h, r in zip(heads, rels)], dtype=bool)
-        self.n_sentences += 1
-        if not keep.any():
+        assert np.shape(word_attn)[-1] == len(words) + 2, (np.shape(word_attn), len(words))
+        maps = torch.as_tensor(np.asarray(word_attn, dtype=np.float32))[None]  # (1, L, H, W, W)
+        self.add_batch(maps, self.labels([(words, heads, deprels)]), torch.zeros(1, dtype=torch.long))
+
+    def add_batch(self, maps: torch.Tensor, labels: DepLabels, index: torch.Tensor) -> None:
+        """maps: (B, L, H, W, W) word maps of the sentences ``index`` (B,) of ``labels`` (on the maps' device),
+        padded to W (sentence b's words at 1..n_b; beyond n_b + 1 never read)."""
+        B, N = maps.shape[0], maps.shape[-1] - 2
+        n, heads, rel, pos = labels.batch(index, N)  # (B,), (B, N) x 3
+        self.n_sentences += B
+        pred = torch.stack([most_attended(maps, n, False, self.causal),
+                            most_attended(maps, n, True, self.causal)])  # (2, B, L, H, N)
+        scored = pos[:, None, None, :].expand(B, self.L, self.H, N)  # (B, L, H, N)
+        head_ok = torch.stack([p.gather(-1, scored) for p in pred]) == heads[None, :, None, None, :]  # (2, B, L, H, N)
+        j = pos + 1  # (B, N) 1-based scored word
+        off = torch.as_tensor(self.offsets, device=maps.device)  # (O,)
+        off_ok = torch.minimum((j[None] + off[:, None, None]).clamp(min=0), n[None, :, None]) == heads[None]  # (O, B, N)
+        before = heads < j  # (B, N) gold head precedes the scored word
+        rows = torch.as_tensor([self._row(r) for r in labels.relations], dtype=torch.long, device=maps.device)
+        keep = rel >= 0  # (B, N)
+        which = torch.zeros(B, N, len(self._names), device=maps.device)  # (B, N, R) "all" and each relation
+        which[..., 0] = keep.float()
+        if rows.numel():
+            which.view(B * N, -1)[keep.view(-1).nonzero()[:, 0], rows[rel[keep]]] = 1.0
+        add = dict(count=which.sum((0, 1)),  # (R,)
+                   head_before=torch.einsum("bn,bnr->r", before.float(), which),
+                   head=torch.einsum("dblhn,bnr->rdlh", head_ok.float(), which),  # (R, 2, L, H)
+                   offset=torch.einsum("obn,bnr->ro", off_ok.float(), which))  # (R, O)
+        add = {k: v.round().long() for k, v in add.items()}  # exact counts (float32 sums of a batch < 2^24)
+        self._copied = None
+        if self._sums is None:
+            self._sums = add
             return
-        pos = evaluation_positions(words, rels, self.poss_relations)
-        pred = np.stack([predict_heads(word_attn, transpose=False, causal=self.causal),
-                         predict_heads(word_attn, transpose=True, causal=self.causal)])  # (2, L, H, n)
-        head_ok = pred[..., pos] == heads  # (2, L, H, n)
-        before = heads < pos + 1  # (n,) gold head precedes the scored word (1-based)
-        off_ok = np.stack([offset_predictions(n, o)[pos] == heads for o in self.offsets])  # (O, n)
-        rels_arr = np.asarray(rels, dtype=object)
-        for r in ["all", *sorted({r for r, k in zip(rels, keep) if k})]:
-            m = keep if r == "all" else keep & (rels_arr == r)
-            c = int(m.sum())
-            self.count[r] = self.count.get(r, 0) + c
-            self.head_before[r] = self.head_before.get(r, 0) + int((before & m).sum())
-            hc = head_ok[..., m].sum(-1)
-            oc = off_ok[:, m].sum(-1)
-            if r in self.head_correct:
-                self.head_correct[r] += hc
-                self.offset_correct[r] += oc
-            else:
-                self.head_correct[r] = hc.astype(np.int64)
-                self.offset_correct[r] = oc.astype(np.int64)
+        for k, v in add.items():
+            old = self._sums[k]
+            if old.shape[0] < v.shape[0]:  # relations seen for the first time
+                old = torch.cat([old, old.new_zeros((v.shape[0] - old.shape[0], *old.shape[1:]))])
+            self._sums[k] = old + v
+
+    def _row(self, rel: str) -> int:
+        if rel not in self._names:
+            self._names.append(rel)
+        return self._names.index(rel)
+
+    def _host(self) -> dict[str, np.ndarray]:
+        """The sums copied to the host (once after each change)."""
+        if self._sums is None:
+            return {}
+        if self._copied is None:
+            self._copied = {k: v.cpu().numpy() for k, v in self._sums.items()}
+        return self._copied
+
+    def _by_rel(self, key: str) -> dict:
+        s = self._host()
+        if not s:
+            return {}
+        c = s["count"]
+        return {r: (int(s[key][i]) if s[key].ndim == 1 else s[key][i]) for i, r in enumerate(self._names) if c[i] > 0}
+
+    @property
+    def count(self) -> dict[str, int]:
+        """rel -> scored words (``all``: every relation)."""
+        return self._by_rel("count")
+
+    @property
+    def head_before(self) -> dict[str, int]:
+        """rel -> scored words whose gold head precedes them."""
+        return self._by_rel("head_before")
+
+    @property
+    def head_correct(self) -> dict[str, np.ndarray]:
+        """rel -> (2, L, H) correct predictions of every head in both directions (DIRECTIONS order)."""
+        return self._by_rel("head")
+
+    @property
+    def offset_correct(self) -> dict[str, np.ndarray]:
+        """rel -> (n_offsets,) correct predictions of each offset baseline."""
+        return self._by_rel("offset")
 
     def head_accuracy(self, rel: str) -> np.ndarray:
         """(2, L, H) accuracy of every head in both directions (DIRECTIONS order)."""
