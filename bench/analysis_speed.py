@@ -62,7 +62,7 @@ ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats
 class Nothing(Reducer):
     """A reducer that keeps nothing: the engine still computes every layer's attention and hands it over."""
 
-    def nbytes(self, layers, heads, positions, items) -> int:
+    def nbytes(self, layers, heads, positions, items, device=None) -> int:
         return 0
 
     def start(self, layers, heads, positions, items, T, device) -> None:

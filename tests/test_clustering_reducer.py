@@ -206,6 +206,11 @@ def test_nbytes_and_errors():
     maps = 2 * 3 * 4 * 9 * 9 * 4  # B x L' x H x T^2 float32
     assert r.nbytes([0, 1, 2], 4, [0, 1], items) >= maps
     assert HeadDistances(dtype=torch.float64).nbytes([0, 1, 2], 4, [0, 1], items) >= 2 * maps
+    # on a CPU the chunk's temporaries are the CPU's chunk, not a GPU's (the device not given: the larger)
+    big = [Encoded(list(range(n)), list(range(n)), n) for n in (300, 300)]
+    cpu, any_device = (r.nbytes(list(range(6)), 12, [0, 1], big, d) for d in (torch.device("cpu"), None))
+    pair_rows = 2 * (6 * 12 - 1) * 300 * 300  # every pair's rows of the batch: less than a GPU's chunk
+    assert any_device - cpu == 2 * 4 * (min(HeadDistances.GPU_CHUNK_ELEMENTS, pair_rows) - HeadDistances.CPU_CHUNK_ELEMENTS)
     for bad in (dict(smoothing=1.0), dict(smoothing=-0.1), dict(dtype=torch.int32), dict(chunk_elements=0)):
         with pytest.raises(ValueError):
             HeadDistances(**bad)

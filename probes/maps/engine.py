@@ -256,7 +256,7 @@ class MapEngine:
         maps and their copies (``reduced``: each layer reduced before the next) or every layer's maps (kept until
         they are pooled, :meth:`word_maps`)."""
         B, T = len(items), max(e.n_pieces for e in items)
-        state = reducer.nbytes(self.layers, self.num_heads, positions, items)
+        state = reducer.nbytes(self.layers, self.num_heads, positions, items, device)
         rows = self.rows_per_block(B, T)
         if rows is not None:
             work = self.budget

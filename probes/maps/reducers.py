@@ -98,8 +98,10 @@ class Reducer:
         (:class:`HeadStats`); sums over batches stay on the device and are copied once at the end."""
         raise NotImplementedError(f"{type(self).__name__} gives results per item only (results())")
 
-    def nbytes(self, layers: Sequence[int], heads: int, positions: Sequence[int], items: Sequence[Encoded]) -> int:
-        """Bytes of the state of a batch of ``items`` (what :meth:`start` would allocate)."""
+    def nbytes(self, layers: Sequence[int], heads: int, positions: Sequence[int], items: Sequence[Encoded],
+               device: torch.device | None = None) -> int:
+        """Bytes of the state of a batch of ``items`` (what :meth:`start` would allocate on ``device``; None: the
+        most it would on any device)."""
         raise NotImplementedError
 
     def _position(self, layer: int) -> int:
@@ -167,7 +169,7 @@ class Pool(Reducer):
             out.append((ru, int(nr), cu, int(nc)))
         return out
 
-    def nbytes(self, layers, heads, positions, items) -> int:
+    def nbytes(self, layers, heads, positions, items, device=None) -> int:
         units = self._units(positions, items)
         Ur, Uc = max(u[1] for u in units), max(u[3] for u in units)
         return len(items) * len(layers) * int(heads) * Ur * (Uc + 1) * FLOAT_BYTES
@@ -237,7 +239,7 @@ class MatrixPool(Pool):
         super().__init__()
         self.from_mat, self.to_mat = from_mat, to_mat
 
-    def nbytes(self, layers, heads, positions, items) -> int:
+    def nbytes(self, layers, heads, positions, items, device=None) -> int:
         B, W, _ = self.from_mat.shape
         return B * len(layers) * int(heads) * W * (W + 1) * FLOAT_BYTES
 
@@ -319,7 +321,7 @@ class HeadStats(Reducer):
         self.stats = frozenset(stats or self.STATS) - ({"punct"} if punct is None else set())
     CHUNK_ELEMENTS = 2 ** 22  # floats of one chunk's largest temporary (the skewed rows: B x H x q x (c + q))
 
-    def nbytes(self, layers, heads, positions, items) -> int:
+    def nbytes(self, layers, heads, positions, items, device=None) -> int:
         T = max((e.n_pieces for e in items), default=0)
         return (len(items) * len(layers) * int(heads) * (len(self.SUMS) + self.bins) * 8
                 + len(items) * T * (4 * FLOAT_BYTES + 3 * 8 + 1))
@@ -497,8 +499,8 @@ class Several(Reducer):
             raise ValueError("Several needs at least one reducer")
         self.reducers = reducers
 
-    def nbytes(self, layers, heads, positions, items) -> int:
-        return sum(r.nbytes(layers, heads, positions, items) for r in self.reducers.values())
+    def nbytes(self, layers, heads, positions, items, device=None) -> int:
+        return sum(r.nbytes(layers, heads, positions, items, device) for r in self.reducers.values())
 
     def start(self, layers, heads, positions, items, T, device) -> None:
         self._set_layers(layers, heads)
@@ -568,12 +570,14 @@ class HeadDistances(Reducer):
             return int(self.chunk_elements)
         return self.CPU_CHUNK_ELEMENTS if torch.device(device).type == "cpu" else self.GPU_CHUNK_ELEMENTS
 
-    def nbytes(self, layers, heads, positions, items) -> int:
-        """The whole smoothed maps, the chunk's two temporaries (at most the larger chunk, :attr:`GPU_CHUNK_ELEMENTS`
-        unless ``chunk_elements``; at least one row of one pair), one head's masked map twice, the (B, K, K) sums."""
+    def nbytes(self, layers, heads, positions, items, device=None) -> int:
+        """The whole smoothed maps, the chunk's two temporaries (the device's chunk, :meth:`_chunk`; None: the
+        larger, :attr:`GPU_CHUNK_ELEMENTS`, unless ``chunk_elements``; at least one row of one pair), one head's masked
+        map twice, the (B, K, K) sums."""
         B, T = len(items), max((e.n_pieces for e in items), default=0)
         K, size = len(layers) * int(heads), torch.finfo(self.dtype).bits // 8
-        chunk = max(B * T, min(self.chunk_elements or self.GPU_CHUNK_ELEMENTS, B * max(K - 1, 1) * T * T))
+        most = self._chunk(device) if device is not None else (self.chunk_elements or self.GPU_CHUNK_ELEMENTS)
+        chunk = max(B * T, min(most, B * max(K - 1, 1) * T * T))
         return (B * K * T * T + 2 * chunk + 2 * B * T * T) * size + 4 * B * K * K * 8 + B * T * T
 
     def start(self, layers, heads, positions, items, T, device) -> None:

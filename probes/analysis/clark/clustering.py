@@ -64,7 +64,7 @@ from probes.analysis.plots import layer_ticks
 from probes.maps import HeadDistances, HeadStats, MapEngine, Reducer, Several
 from probes.measures import Measure
 from probes.measures.attention import Attention
-from probes.model.inputs import Encoded, pad_encoded
+from probes.model.inputs import Encoded
 
 log = logging.getLogger(__name__)
 
@@ -157,17 +157,11 @@ def reduce_maps(reducer: Reducer, maps: torch.Tensor, layers: Sequence[int], pos
 
 def _normalised_batches(engine: MapEngine, items: Sequence[Encoded], reducer: Reducer, desc: str):
     """Yield ``(positions, batch results)`` of ``reducer`` on the engine's piece maps of every batch of ``items``
-    (a kind without ``reduce``), each row normalised to sum 1 over the sequence's own keys (padded keys set to 0)."""
-    def step(inp, positions, its):  # inp: input_ids, attention_mask (, token_type_ids): (B, T) each
-        maps = torch.stack(engine.piece_maps(inp["input_ids"], inp["attention_mask"], inp.get("token_type_ids")),
-                           1).float()  # (B, L', H', T, T)
-        n = torch.tensor([e.n_pieces for e in its], device=maps.device)  # (B,)
-        real = torch.arange(maps.shape[-1], device=maps.device)[None, :] < n[:, None]  # (B, T) each one's own keys
-        maps.masked_fill_(~real[:, None, None, None, :], 0.0)
+    (a kind without ``reduce``; :meth:`~probes.maps.MapEngine.iter_piece_map_batches`, padded entries 0), each row
+    normalised to sum 1 over the sequence's own keys."""
+    for positions, _, maps in engine.iter_piece_map_batches(items, desc):  # maps: (B, L', H', T, T)
         maps.div_(maps.sum(-1, keepdim=True).clamp_(min=ROW_SUM_FLOOR))
-        yield list(positions), reduce_maps(reducer, maps, engine.layers, positions, its)
-
-    return engine._iter(items, desc, True, lambda positions, its: pad_encoded(its, engine.pad_id), step)
+        yield positions, reduce_maps(reducer, maps, engine.layers, positions, [items[k] for k in positions])
 
 
 def head_distances(encoder, encoded: Sequence[Encoded], measure: Measure | None = None, device: str = "cpu",
