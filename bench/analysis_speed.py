@@ -8,7 +8,9 @@ Inputs: the first ``--sentences`` sentences of UD EWT dev (``--split``), read as
 ``head_stats`` Clark's pairs of consecutive sentences of a document (its default input; ``head_stats_single``: each
 sentence alone), ``sink`` the windows of 64 pieces of the split's running text (as many as the sentences' pieces
 fill), ``clustering`` the pairs of head_stats; ``head_stats_loop``: head_stats' pairs through the per-sentence path it had
-before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``), for comparison. ``--encoder``: the extraction bench's choices (``extract_speed.load_bench_encoder``: ``minilm``,
+before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``), for comparison; ``dep_heads`` each
+sentence alone, scored from an attention cache of them built (in a temporary folder) before the rounds.
+``--encoder``: the extraction bench's choices (``extract_speed.load_bench_encoder``: ``minilm``,
 ``bert-base-random``: bert-base's shape with random weights and the MiniLM vocabulary, no download; or a folder).
 
 For each analysis, in alternation for ``--rounds`` rounds (the best of each kept), on the same inputs and batches:
@@ -17,12 +19,15 @@ For each analysis, in alternation for ``--rounds`` rounds (the best of each kept
   path (``MapEngine.iter_reduced_batches`` with a reducer that does nothing), what any analysis of the maps pays;
 * the analysis's own computation: ``head_stats``: :func:`probes.analysis.clark.head_stats.sequence_stats` and its
   result on the host; ``sink``: :func:`probes.analysis.beyond.sink.first_token_alpha`; ``clustering``:
-  :func:`probes.analysis.clark.clustering.head_distances` and its results on the host.
+  :func:`probes.analysis.clark.clustering.head_distances` and its results on the host; ``dep_heads``:
+  :func:`probes.analysis.clark.dep_heads.evaluate` on the cache (the scoring, timed alone; reported as bare plus it:
+  the maps an extraction computes, then their scoring; ``scoring_*`` the scoring alone).
 
 Reported: pieces (tokens) per second of wall time, the analysis's throughput over bare's, CPU seconds (the main
 thread's: with ``--threads 1`` every CPU kernel runs there; the memory sampler's thread is not counted), the CPU-s
 per 1,000 sentences (inputs) the analysis adds to bare's, split into its reductions' tensor operators (the CPU time
-inside the reducers' ``update`` and ``batch_results``, :func:`timed_updates`: on a GPU the device's work) and the rest, its host work
+inside the reducers' ``update`` and ``batch_results`` and ``DepAccumulator.add_batch``, :func:`timed_updates`: on a GPU
+the device's work) and the rest, its host work
 (flags, batching, Python: what stays on the CPU beside a GPU), the high-water mark of the process's own anonymous
 memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
 (``torch.cuda.max_memory_allocated``). The CPU is named (:func:`probes.machine.cpu_description`) beside the numbers.
@@ -35,6 +40,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,9 +51,13 @@ import torch  # noqa: E402
 
 
 from probes.analysis.beyond.sink import first_token_alpha, running_split_text, text_windows  # noqa: E402
-from probes.analysis.clark import head_stats  # noqa: E402
+from probes.analysis.clark import dep_heads, head_stats  # noqa: E402
 from probes.analysis.clark.clustering import head_distances  # noqa: E402
-from probes.analysis.clark.metrics import HeadStatsAccumulator, is_causal  # noqa: E402
+from probes.analysis.clark.metrics import DepAccumulator, HeadStatsAccumulator, is_causal  # noqa: E402
+from probes.config import compose  # noqa: E402
+from probes.data.sources import Treebank  # noqa: E402
+from probes.extract.attention_caches import ensure_cache  # noqa: E402
+from probes.extract.settings import ExtractSettings  # noqa: E402
 from probes.data.conllu import read_conllu  # noqa: E402
 from probes.machine import cpu_description  # noqa: E402
 from probes.maps import MapEngine  # noqa: E402
@@ -56,7 +66,8 @@ from probes.measures.attention import Attention  # noqa: E402
 from probes.memory import AnonPeak  # noqa: E402
 from extract_speed import load_bench_encoder  # noqa: E402  (the same encoders as the extraction bench)
 
-ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop")
+ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop", "dep_heads")
+CACHED = ("dep_heads",)  # analyses that read the attention cache: built before the rounds, the scoring timed
 
 
 class Nothing(Reducer):
@@ -80,8 +91,10 @@ def timed_updates(out: dict):
     """Time (main thread's CPU) every ``update`` and ``batch_results`` of the reducers while inside: the reductions'
     tensor operators (on a GPU the device's work), so that the rest of the analysis's CPU beyond bare's is its host
     work."""
-    originals = {(cls, name): getattr(cls, name) for cls in (HeadStats, HeadDistances)
-                 for name in ("update", "batch_results")}
+    originals = {(cls, name): getattr(cls, name) for cls, names in ((HeadStats, ("update", "batch_results")),
+                                                                    (HeadDistances, ("update", "batch_results")),
+                                                                    (DepAccumulator, ("add_batch",)))
+                 for name in names}
 
     def timed(original):
         def update(self, *args, **kwargs):
@@ -129,7 +142,11 @@ def inputs_of(analysis: str, enc, sentences):
     return [encoded[k] for k in keep], sum(len(members[k]) for k in keep)
 
 
-def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_batch_size: int):
+def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_batch_size: int, cached=None):
+    if analysis == "dep_heads":  # the scoring of the cached word maps (the cache built before)
+        cache, sentences = cached
+        return dep_heads.evaluate(cache, sentences, cache.num_layers, cache.num_heads, progress=False,
+                                  causal=is_causal(enc), device=device).count
     if analysis == "sink":
         return first_token_alpha(enc, items, device, max_batch_size=max_batch_size, max_tokens=max_tokens)
     if analysis == "head_stats_loop":  # the per-sentence path head_stats had before the reducers, for comparison
@@ -143,6 +160,16 @@ def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_ba
         return totals.js.cpu(), totals.stats.result()
     acc, _, _ = head_stats.sequence_stats(enc, items, device, max_tokens=max_tokens, max_batch_size=max_batch_size)
     return acc.result()
+
+
+def build_cache(enc, path: Path, n: int, precision: str, cache_dir: Path):
+    """(attention cache, sentences) of the first ``n`` sentences of the treebank file ``path`` (the project's
+    extraction stage, conf/extract at ``precision``), for the analyses that read the cache."""
+    cfg = compose("analyze", [f"extract.precision={precision}"])
+    split = path.stem.rsplit("-", 1)[-1]
+    tb = Treebank(name=path.parent.name, data_dir=str(path.parent.parent), subdir=path.parent.name,
+                  files={split: path.name}, download=False)
+    return ensure_cache(enc, tb, split, ExtractSettings.from_config(cfg.extract), cache_dir, max_sentences=n)
 
 
 def run_bare(enc, items, device: str, max_tokens: int, max_batch_size: int) -> None:
@@ -183,9 +210,11 @@ def main(argv=None) -> dict:
                    device=args.device, precision=args.precision, sentences=len(sentences), split=args.split,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), analyses={})
     kw = dict(max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
-    with autocast:
+    with autocast, tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
         for analysis in args.analyses:
             items, n_sentences = inputs_of(analysis, enc, sentences)
+            cached = (build_cache(enc, path, len(sentences), args.precision, Path(tmp))
+                      if analysis in CACHED else None)
             pieces = sum(e.n_pieces for e in items)
             run_bare(enc, items[:8], args.device, **kw)  # warm-up
             best: dict[str, dict] = {}
@@ -197,10 +226,13 @@ def main(argv=None) -> dict:
                             run_bare(enc, items, args.device, **kw)
                         else:
                             with timed_updates(m):
-                                run_analysis(analysis, enc, items, args.device, **kw)
+                                run_analysis(analysis, enc, items, args.device, **kw, cached=cached)
                     if which not in best or m["cpu_s"] < best[which]["cpu_s"]:
                         best[which] = m
             bare, mine = best["bare"], best[analysis]
+            if analysis in CACHED:  # the scoring alone was timed: the analysis is the extraction's maps + it
+                mine = dict(mine, seconds=bare["seconds"] + mine["seconds"], cpu_s=bare["cpu_s"] + mine["cpu_s"],
+                            scoring_seconds=mine["seconds"], scoring_cpu_s=mine["cpu_s"])
             row = dict(inputs=len(items), sentences=n_sentences, pieces=pieces,
                        bare=dict(bare, tokens_per_s=round(pieces / bare["seconds"])),
                        analysis=dict(mine, tokens_per_s=round(pieces / mine["seconds"])),
