@@ -163,29 +163,36 @@ class ShardWriter:
         self._crc = zlib.crc32(view, self._crc)
         self._bytes += len(view)
 
+    def index_size(self, sentence_index: int, block: np.ndarray) -> int:
+        """The index's third column for ``block``, sentence ``sentence_index``'s maps: their side W; an assertion
+        error for anything but (L, H, W, W) float16 (a subclass stores blocks of another shape:
+        :class:`probes.extract.representations.HiddenShardWriter`)."""
+        assert block.dtype == np.float16 and block.shape[-1] == block.shape[-2], \
+            f"sentence {sentence_index}: expected square float16 maps (L, H, W, W), got {block.dtype} {block.shape}"
+        return block.shape[-1]
+
     def write(self, sentence_index: int, maps: np.ndarray) -> None:
-        """maps: (L, H, W, W) float16."""
-        assert maps.dtype == np.float16 and maps.shape[-1] == maps.shape[-2]
+        """maps: (L, H, W, W) float16 (a subclass's blocks: :meth:`index_size`)."""
+        size = self.index_size(sentence_index, maps)
         self._put(maps)
-        self._rows.append((sentence_index, self._offset, maps.shape[-1]))
+        self._rows.append((sentence_index, self._offset, size))
         self._offset += maps.size
 
     def write_many(self, items: list[tuple[int, np.ndarray]]) -> None:
-        """Append several sentences' maps ((sentence index, (L, H, W, W) float16) each, in order) as one contiguous
-        write: the bytes, index rows and CRC-32 of :meth:`write` called on each in turn."""
+        """Append several sentences' maps ((sentence index, (L, H, W, W) float16 or a subclass's block) each, in
+        order) as one contiguous write: the bytes, index rows and CRC-32 of :meth:`write` called on each in turn."""
         if not items:
             return
         sizes = [m.size for _, m in items]
         total = sum(sizes)
         if self._buf.size < total:  # kept from batch to batch: no new pages to fault in at every write
             self._buf = np.empty(total, dtype=np.float16)
-        buf = self._buf[:total]  # (sum of L*H*W*W,) the batch's blocks back to back
+        buf = self._buf[:total]  # (sum of the blocks' elements,) the batch's blocks back to back
         at = 0
         for (i, m), n in zip(items, sizes):
-            assert m.dtype == np.float16 and m.shape[-1] == m.shape[-2], \
-                f"sentence {i}: expected square float16 maps (L, H, W, W), got {m.dtype} {m.shape}"
+            size = self.index_size(i, m)
             buf[at:at + n].reshape(m.shape)[...] = m  # one copy of the (strided) block
-            self._rows.append((i, self._offset + at, m.shape[-1]))
+            self._rows.append((i, self._offset + at, size))
             at += n
         self._put(buf)
         self._offset += at

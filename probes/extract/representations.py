@@ -11,6 +11,11 @@ A sentence with n words is stored as (L', n, D): L' = the stored layers in incre
 output, l = output of layer l), one row per word, pieces pooled to words (`mean` over the word's pieces,
 or its `first` piece; part of the key). Readers copy one sentence (or one layer of it) with `os.pread`.
 
+Extraction runs on the attention stage's own loop on one device in one process (:func:`probes.extract.stage.
+device_loop`: batches built ahead, each batch's states written as one contiguous write in a background thread, the
+split's tokenization reused), on Lightning's predict loop otherwise (several devices, a rank of a distributed job:
+:func:`probes.extract.stage.choose_loop`); the entries are byte for byte the same either way.
+
 The cache kind is :class:`HiddenStates` (keyed, found, built and run in a child process by
 :mod:`probes.extract.runner`); :func:`ensure_hidden_caches` builds missing entries in a child process, so a
 training process never holds the encoder.
@@ -32,14 +37,16 @@ from torch.utils.data import DataLoader
 from probes.config import plain
 from probes.extract import cache
 from probes.extract import runner
+from probes.extract import stage
 from probes.extract.runner import TreebankSplit
 from probes.extract.settings import ExtractSettings
 from probes.extract.writer import CacheWriter, extraction_peer
-from probes.maps import SentenceBatches, encode_all, pad_id_of, select
+from probes.maps import SentenceBatches, pad_id_of, select
 from probes.memory import reusable_heap
 from probes.model.hidden import check_layers, hidden_states, layer_list
 from probes.model.inputs import Encoded, length_batches
 from probes.model.load import Encoder
+from probes.progress import ProgressCallback
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +62,11 @@ def hidden_entry_dir(cache_dir: str | Path, key: dict) -> Path:
 class HiddenShardWriter(cache.ShardWriter):
     """:class:`~probes.extract.cache.ShardWriter` for (L', n, D) blocks (index rows: sentence, offset, n)."""
 
-    def write(self, sentence_index: int, states: np.ndarray) -> None:
-        """states: (L', n, D) float16."""
-        assert states.dtype == np.float16 and states.ndim == 3
-        self._put(states)
-        self._rows.append((sentence_index, self._offset, states.shape[1]))
-        self._offset += states.size
+    def index_size(self, sentence_index: int, block: np.ndarray) -> int:
+        """n, the words of ``block`` ((L', n, D) float16; an assertion error for anything else)."""
+        assert block.dtype == np.float16 and block.ndim == 3, \
+            f"sentence {sentence_index}: expected float16 states (L', n, D), got {block.dtype} {block.shape}"
+        return block.shape[1]
 
 
 class RepresentationCache(cache.CacheEntry):
@@ -100,7 +106,8 @@ class RepresentationCache(cache.CacheEntry):
 
 # ----------------------------------------------------------------------------- extraction
 class HiddenExtractor(pl.LightningModule):
-    """Runs the frozen encoder and pools the chosen layers' hidden states to words; predict only."""
+    """Runs the frozen encoder and pools the chosen layers' hidden states to words; predict only (Lightning's
+    predict loop; the stage's own loop calls :meth:`word_states`)."""
 
     def __init__(self, model: torch.nn.Module, layers: list[int]):
         super().__init__()
@@ -115,23 +122,22 @@ class HiddenExtractor(pl.LightningModule):
             return torch.stack([pool @ states[l].float() for l in self.layers], 1).half()  # (B, L', W - 2, D)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int = 0) -> dict[str, torch.Tensor]:
-        return dict(maps=self.word_states(batch).cpu(), index=batch["index"].cpu(), n_words=batch["n_words"].cpu())
+        # on the batch's device: the writer copies them to the host (asynchronously from a GPU)
+        return dict(maps=self.word_states(batch), index=batch["index"], n_words=batch["n_words"])
 
 
 class HiddenCacheWriter(CacheWriter):
-    """The attention cache's writer (partial folder, per-rank shards, finalize) with (L', n, D) blocks."""
+    """The attention cache's writer (partial folder, per-rank shards, background writes, finalize; Lightning's hooks
+    and the stage's own loop) with (L', n, D) blocks."""
 
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_predict_start(trainer, pl_module)
-        self.shard.close()  # replace the square-map shard opened above (same file names) by ours
-        self.shard = HiddenShardWriter(self.partial_dir, trainer.global_rank)
+    def new_shard(self, rank: int) -> HiddenShardWriter:
+        return HiddenShardWriter(self.partial_dir, rank)
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
-        states = prediction["maps"].numpy()  # (B, L', N, D) float16
-        if states.shape[-1] != self.manifest["dim"]:
-            raise RuntimeError(f"hidden states of size {states.shape[-1]}, the model config says {self.manifest['dim']}")
-        for k, (i, n) in enumerate(zip(prediction["index"].tolist(), prediction["n_words"].tolist())):
-            self.shard.write(i, states[k, :, :n])
+    def blocks(self, maps: np.ndarray, index: list[int], n_words: list[int]) -> list[tuple[int, np.ndarray]]:
+        """(sentence, (L', n, D) states) of each sentence of a batch's (B, L', N, D) float16 states."""
+        if maps.shape[-1] != self.manifest["dim"]:
+            raise RuntimeError(f"hidden states of size {maps.shape[-1]}, the model config says {self.manifest['dim']}")
+        return [(i, maps[k, :, :n]) for k, (i, n) in enumerate(zip(index, n_words))]
 
 
 def extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
@@ -157,31 +163,48 @@ def extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cach
 def _extract_hidden(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
                     trainer: Callable[..., pl.Trainer], max_length: int | None = None, long_sentences: str = "skip",
                     max_tokens: int = 4096, max_batch_size: int = 128, num_workers: int = 0,
-                    encoded: list[Encoded] | None = None) -> RepresentationCache:
-    """Build the entry. Sentences run in length batches (``max_tokens`` pieces, ``max_batch_size`` sentences)
-    on Lightning's predict loop (the GPU when the trainer has one; one shard per rank under DDP)."""
+                    encoded: list[Encoded] | None = None, loop: str = "auto") -> RepresentationCache:
+    """Build the entry. Sentences run in length batches (``max_tokens`` pieces, ``max_batch_size`` sentences),
+    on the attention stage's own loop where it can run (one device, one process: :func:`probes.extract.stage.
+    device_loop`), else on Lightning's predict loop (several devices; one shard per rank under DDP; a rank of a
+    distributed job); ``loop`` as in :func:`probes.extract.stage.extract` (``auto``, ``own``, ``lightning``), the
+    entry the same. ``encoded``: the sentences already encoded (None: :func:`probes.extract.stage.encode_split`,
+    which reuses this process's earlier tokenization of the same sentences)."""
+    if loop not in stage.LOOPS:
+        raise ValueError(f"loop={loop!r}: expected one of {stage.LOOPS}")
     final_dir = hidden_entry_dir(cache_dir, key)
     if key["pooling"] not in POOLINGS:
         raise ValueError(f"data.hidden.pooling must be one of {POOLINGS}, got '{key['pooling']}'")
     layers = check_layers(encoder.model, key["layers"])
     max_length = max_length or encoder.max_length
-    encoded = encoded if encoded is not None else encode_all(encoder.tokenizer, sentences)
+    encoded = encoded if encoded is not None else stage.encode_split(encoder.tokenizer, sentences)
     keep, too_long = select(encoded, max_length, long_sentences)
     kept = [encoded[i] for i in keep]
     batches = length_batches([e.n_pieces for e in kept], max_tokens, max_batch_size)
-    data = SentenceBatches(kept, keep, batches, key["pooling"], key["pooling"], pad_id_of(encoder.tokenizer))
     dim = int(encoder.config.hidden_size)  # DistilBERT's `dim` too (transformers' attribute map)
     manifest = dict(format_version=cache.FORMAT_VERSION, key=key, n_sentences=len(sentences), skipped=too_long,
                     num_layers=encoder.num_layers, num_heads=encoder.num_heads, layers=layers, dim=dim,
                     n_pieces=int(sum(e.n_pieces for e in kept)), dtype="float16",
                     layout="(L', n, D): stored layers (0 = embedding output), words, hidden size")
     writer = HiddenCacheWriter(final_dir, manifest)
-    t = trainer(callbacks=[writer])
-    loader = DataLoader(data, batch_size=None, num_workers=num_workers, persistent_workers=False, pin_memory=False)
-    log.info("extracting hidden states of layers %s: %d sentences, %d batches -> %s", layers, len(kept),
-             len(batches), final_dir)
+    lines = ProgressCallback(desc="hidden-state extraction")  # progress lines in the log (no terminal to watch)
+    t, device, why = stage.choose_loop(trainer, loop, [writer, lines], caller="extract_hidden")
+    extractor = HiddenExtractor(encoder.model, layers)
+    log.info("extracting hidden states of layers %s: %d sentences, %d batches -> %s (%s)", layers, len(kept),
+             len(batches), final_dir,
+             f"own loop on {device}" if device is not None else f"Lightning's predict loop: {why}")
+    pad = pad_id_of(encoder.tokenizer)
     with reusable_heap():  # the batches' buffers reused, not faulted in again at every batch
-        t.predict(HiddenExtractor(encoder.model, layers), loader, return_predictions=False)
+        if device is None:
+            gpu = t.strategy.root_device.type == "cuda" and not num_workers  # next batch built during the forward
+            data = SentenceBatches(kept, keep, batches, key["pooling"], key["pooling"], pad, ahead=gpu, pin=gpu)
+            loader = DataLoader(data, batch_size=None, num_workers=num_workers, persistent_workers=False,
+                                pin_memory=False)
+            t.predict(extractor, loader, return_predictions=False)
+        elif batches:  # (no batch: nothing written, as Lightning's loop skips an empty loader)
+            data = SentenceBatches(kept, keep, batches, key["pooling"], key["pooling"], pad,
+                                   pin=device.type == "cuda" and not num_workers)
+            stage.device_loop(encoder.model, extractor.word_states, data, writer, t, device, lines, num_workers)
     return RepresentationCache(final_dir)
 
 

@@ -5,7 +5,9 @@ pooled to words) and :class:`probes.extract.writer.CacheWriter` writes the entry
 stage runs its own loop (:func:`predict_loop`: the next batch built in a background thread, the maps written in
 another, none of Lightning's per-batch machinery); several devices or processes (DDP: one shard per rank), or a
 Trainer with callbacks, plugins or limits of its own, run :class:`AttentionExtractor` through Lightning's predict
-loop (:func:`own_loop_device` says which). The entries are byte for byte the same either way.
+loop (:func:`own_loop_device` says which). The entries are byte for byte the same either way. The hidden-state
+extraction (:mod:`probes.extract.representations`) runs on the same loop, chosen the same way (:func:`device_loop`,
+:func:`choose_loop`).
 
 A split's tokenization is kept for the rest of the process (:func:`encode_split`): extracting it again (another map
 kind, precision or layer selection) reuses it.
@@ -160,15 +162,25 @@ def own_loop_device(t: pl.Trainer) -> tuple[torch.device | None, str]:
 def predict_loop(engine: MapEngine, data: SentenceBatches, writer: CacheWriter, t: pl.Trainer,
                  device: torch.device, lines: ProgressCallback, num_workers: int = 0,
                  overlap: bool = True) -> None:
-    """What ``t.predict(AttentionExtractor(engine), DataLoader(data))`` does on one device, as a plain loop: the
-    model moved to ``device`` and put in eval mode (its modules' modes and the CPU put back at the end, as
-    Lightning's loop and teardown do), under inference mode and ``t``'s precision context; each batch built ahead in
-    a background thread (page-locked on a GPU; in ``num_workers`` loader processes when > 0), its word maps written
-    by ``writer`` in another (``overlap``; else each step in turn, in this thread: on a 2-vCPU EPYC under load, two
-    torch threads took 1.2-4x the CPU time that way, bench/README.md). A progress bar on a terminal when ``t`` has
-    one, and ``lines``' progress lines in the log otherwise (:class:`probes.progress.Progress`). An error leaves the
-    entry ``.partial``."""
-    model, gpu = engine.model, device.type == "cuda"
+    """What ``t.predict(AttentionExtractor(engine), DataLoader(data))`` does on one device: :func:`device_loop` of
+    the engine's model and word maps."""
+    device_loop(engine.model, engine.word_maps, data, writer, t, device, lines, num_workers, overlap)
+
+
+def device_loop(model: torch.nn.Module, step: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                data: SentenceBatches, writer: CacheWriter, t: pl.Trainer, device: torch.device,
+                lines: ProgressCallback, num_workers: int = 0, overlap: bool = True) -> None:
+    """What ``t.predict`` of a module whose predict step is ``step`` does on one device, as a plain loop (every
+    extraction's own loop: attention maps, :func:`predict_loop`, and hidden states,
+    :func:`probes.extract.representations.extract_hidden`): ``model`` moved to ``device`` and put in eval mode (its
+    modules' modes and the CPU put back at the end, as Lightning's loop and teardown do), under inference mode and
+    ``t``'s precision context; each batch built ahead in a background thread (page-locked on a GPU; in
+    ``num_workers`` loader processes when > 0), ``step``'s output for it (the batch's padded blocks, on the device)
+    written by ``writer`` in another (``overlap``; else each step in turn, in this thread: on a 2-vCPU EPYC under
+    load, two torch threads took 1.2-4x the CPU time that way, bench/README.md). A progress bar on a terminal when
+    ``t`` has one, and ``lines``' progress lines in the log otherwise (:class:`probes.progress.Progress`). An error
+    leaves the entry ``.partial``."""
+    gpu = device.type == "cuda"
     modes = {m: m.training for m in model.modules()}
     if num_workers:
         batches = DataLoader(data, batch_size=None, num_workers=num_workers, pin_memory=gpu)
@@ -192,8 +204,8 @@ def predict_loop(engine: MapEngine, data: SentenceBatches, writer: CacheWriter, 
                 for batch in batches:
                     on = {k: v.to(device, non_blocking=gpu) if k in inputs else v for k, v in batch.items()}
                     with t.precision_plugin.predict_step_context():
-                        maps = engine.word_maps(on)  # (B, L', H', W, W) float16 on the device
-                    writer.put(maps, batch["index"], batch["n_words"])
+                        out = step(on)  # (B, ...) the batch's padded blocks, on the device
+                    writer.put(out, batch["index"], batch["n_words"])
                     counter.update()
                     bar.update()
                 writer.close()
@@ -208,6 +220,26 @@ def predict_loop(engine: MapEngine, data: SentenceBatches, writer: CacheWriter, 
         if gpu:  # on the CPU, as Lightning's teardown leaves it
             model.cpu()
             torch.cuda.empty_cache()
+
+
+def choose_loop(trainer: Callable[..., pl.Trainer], loop: str, callbacks: list[pl.Callback],
+                caller: str = "extract") -> tuple[pl.Trainer, torch.device | None, str]:
+    """(Trainer, device, reason) of an extraction: the device of the stage's own loop (``loop`` ``auto`` where
+    :func:`own_loop_device` allows it, ``own``: a ValueError naming ``caller`` and the reason where it cannot) with
+    the kept probe Trainer (:func:`probe_trainer`) or one made without ``callbacks``; or None, the reason, and a Trainer
+    with ``callbacks`` (the writer first) for Lightning's predict loop (``lightning``, or where the own loop cannot
+    run)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop={loop!r}: expected one of {LOOPS}")
+    t = probe_trainer(trainer) if loop != "lightning" else None
+    if t is None:
+        t = trainer(callbacks=callbacks)
+    device, why = own_loop_device(t) if loop != "lightning" else (None, "loop=lightning")
+    if device is None and loop == "own":
+        raise ValueError(f"{caller}(loop='own'): this Trainer needs Lightning's predict loop ({why})")
+    if device is None and callbacks[0] not in t.callbacks:  # the probe: Lightning's loop needs the callbacks
+        t = trainer(callbacks=callbacks)
+    return t, device, why
 
 
 def extract(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
@@ -279,14 +311,7 @@ def _extract(
     writer = CacheWriter(final_dir, manifest)
     # progress lines in the run's log when no one watches a terminal (the Lightning bar shows it there)
     lines = ProgressCallback(desc=f"{maps} extraction")
-    t = probe_trainer(trainer) if loop != "lightning" else None
-    if t is None:
-        t = trainer(callbacks=[writer, lines])
-    device, why = own_loop_device(t) if loop != "lightning" else (None, "loop=lightning")
-    if device is None and loop == "own":
-        raise ValueError(f"extract(loop='own'): this Trainer needs Lightning's predict loop ({why})")
-    if device is None and writer not in t.callbacks:  # the probe: Lightning's loop needs a Trainer with the callbacks
-        t = trainer(callbacks=[writer, lines])
+    t, device, why = choose_loop(trainer, loop, [writer, lines])
     log.info("extracting attention: %d sentences, %d batches -> %s (%s)", len(kept), len(batches), final_dir,
              f"own loop on {device}" if device is not None else f"Lightning's predict loop: {why}")
     log.info("map kind: %s", maps)

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 
@@ -114,7 +115,8 @@ class CacheWriter(pl.Callback):
 
     Its steps (:meth:`open`, :meth:`put`, :meth:`close`, :meth:`abandon`) serve Lightning's predict hooks and the
     stage's own loop (:func:`probes.extract.stage.predict_loop`) alike. Each batch's sentences go to the shard as one
-    contiguous write (:meth:`probes.extract.cache.ShardWriter.write_many`).
+    contiguous write (:meth:`probes.extract.cache.ShardWriter.write_many`). A subclass stores blocks of another shape
+    (:meth:`new_shard`, :meth:`blocks`: :class:`probes.extract.representations.HiddenCacheWriter`).
 
     Args:
         final_dir: The entry's folder (built in ``<final_dir>.partial`` and renamed into place).
@@ -147,9 +149,18 @@ class CacheWriter(pl.Callback):
                 self.partial_dir.mkdir(parents=True)
         barrier()
         with naming_full_disk(self.partial_dir, "writing the cache entry"):
-            self.shard = cache.ShardWriter(self.partial_dir, rank)
+            self.shard = self.new_shard(rank)
         behind = self.background if self.background is not None else background
         self._behind = BackgroundWrites(self.depth) if behind else None
+
+    def new_shard(self, rank: int) -> cache.ShardWriter:
+        """Rank ``rank``'s shard writer in the partial folder (a subclass's for blocks of another shape)."""
+        return cache.ShardWriter(self.partial_dir, rank)
+
+    def blocks(self, maps: np.ndarray, index: list[int], n_words: list[int]) -> list[tuple[int, np.ndarray]]:
+        """(sentence index, its block) of each sentence of a batch's padded ``maps`` ((B, L, H, W, W) float16 on the
+        host): its (L, H, n + 2, n + 2) maps, n its words (a subclass's blocks of another shape)."""
+        return [(i, maps[k, :, :, : n + 2, : n + 2]) for k, (i, n) in enumerate(zip(index, n_words))]
 
     def put(self, maps: torch.Tensor, index: torch.Tensor, n_words: torch.Tensor) -> None:
         """Write one batch: ``maps`` (B, L, H, W, W) float16, ``index`` and ``n_words`` (B,), on any device (a GPU's
@@ -186,14 +197,12 @@ class CacheWriter(pl.Callback):
 
     def _write_maps(self, maps: torch.Tensor, index: torch.Tensor, n_words: torch.Tensor,
                     ready: torch.cuda.Event | None) -> None:
-        """Append one batch's word maps ((B, L, H, W, W) float16 on the host; index, n_words (B,)) to the shard, as
-        one write."""
+        """Append one batch's word maps ((B, L, H, W, W) float16 on the host, or a subclass's :meth:`blocks`' input;
+        index, n_words (B,)) to the shard, as one write."""
         if ready is not None:
             ready.synchronize()
         with stage("write"), naming_full_disk(self.shard.data_path, "writing the cache entry's maps"):
-            m = maps.numpy()  # (B, L, H, W, W) float16
-            self.shard.write_many([(i, m[k, :, :, : n + 2, : n + 2])
-                                   for k, (i, n) in enumerate(zip(index.tolist(), n_words.tolist()))])
+            self.shard.write_many(self.blocks(maps.numpy(), index.tolist(), n_words.tolist()))
 
     # ------------------------------------------------------------------------- Lightning's hooks
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
