@@ -21,8 +21,9 @@ core FEs of a sentence into one source list, and takes attention from FE tokens 
 only (our ``fe_to_target``), pairing the i-th source with the i-th target token rather than all
 pairs. ``max_sentence_words`` / ``max_element_words`` apply the first two filters.
 
-Maps come from :meth:`probes.maps.MapEngine.iter_piece_maps` (whole sentences ``[CLS] words [SEP]``, no
-truncation; longer sentences are skipped and counted). ``checkpoint``: fine-tuned GLUE model(s)
+Maps come from :meth:`probes.maps.MapEngine.iter_piece_map_batches` (whole sentences ``[CLS] words [SEP]``, no
+truncation; longer sentences are skipped and counted); every link and shift of a batch is scored at once on the
+maps' device (:func:`probes.maps.spans.block_max`). ``checkpoint``: fine-tuned GLUE model(s)
 (path or ``{task: path}``) analysed next to the pre-trained ``encoder``.
 
 Outputs: ``framenet_heads.csv`` (model, layer, head (0-based), name (1-based), score, target_to_fe,
@@ -48,6 +49,7 @@ from probes.analysis.plots import layer_head_axes
 from probes.analysis.tables import layer_head_frame
 from probes.data.framenet import read_framenet
 from probes.maps import MapEngine
+from probes.maps.spans import Spans, block_max, positions_of, weighted_sums
 from probes.measures.attention import Attention
 from probes.model.families import usable_max_length
 from probes.model.inputs import encode_words
@@ -78,28 +80,6 @@ def shifts(target: Sequence[int], element: Sequence[int], n_words: int) -> list[
     return [s for s in range(-lo, n_words - hi) if s != 0]
 
 
-class _Sums:
-    """Running sums of (L, H) target -> FE, FE -> target and link scores, and their count."""
-
-    def __init__(self):
-        self.t2f = self.f2t = self.both = None
-        self.n = 0
-
-    def add(self, t2f: torch.Tensor, f2t: torch.Tensor, both: torch.Tensor | None = None) -> None:
-        """One link's (L, H) scores; ``both`` defaults to the larger direction per head."""
-        both = torch.maximum(t2f, f2t) if both is None else both    # (L, H)
-        if self.t2f is None:
-            self.t2f, self.f2t, self.both = (x.double().clone() for x in (t2f, f2t, both))
-        else:
-            self.t2f += t2f.double()
-            self.f2t += f2t.double()
-            self.both += both.double()
-        self.n += 1
-
-    def means(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return tuple((x / self.n).cpu().numpy() for x in (self.both, self.t2f, self.f2t))
-
-
 def select_links(sentences, max_sentence_words: int | None = None, max_element_words: int | None = None):
     """Sentences of at most ``max_sentence_words`` words whose links are kept when their frame
     element has at most ``max_element_words`` words (None: no limit); sentences left without links dropped."""
@@ -113,6 +93,61 @@ def select_links(sentences, max_sentence_words: int | None = None, max_element_w
     return out
 
 
+class _LinkPlan:
+    """The span pairs of every link, built once on the host before the maps stream.
+
+    A link contributes its own pair (target, element) and one pair per shift of its baseline. Per pair: its target
+    and element spans (:class:`~probes.maps.spans.Spans` ids) and three weights: 1 for the link's own pair in the
+    sum over all links, 1 for it in the sum over the links with a baseline, 1/S for each of its S shifted pairs in
+    the baseline sum (each link weighs the same). Item ``k``'s pairs are rows ``starts[k]:stops[k]``."""
+
+    def __init__(self, n_items: int):
+        self.spans = Spans()
+        self._target: list[np.ndarray] = []
+        self._element: list[np.ndarray] = []
+        self._weights: list[np.ndarray] = []
+        self.n_pairs = 0
+        self.starts = np.zeros(n_items, dtype=np.int64)
+        self.stops = np.zeros(n_items, dtype=np.int64)
+        self.n_links = self.n_paired = self.skipped_overlap = self.no_baseline = 0
+
+    def add_sentence(self, k: int, sentence, enc, baseline_samples: int | None, rng) -> None:
+        """The pairs of sentence ``k`` (its links in order; the baseline shifts drawn from ``rng`` here)."""
+        wop = np.asarray(enc.word_of_piece) + 1                   # (T,) word + 1: the specials are 0 and n + 1
+        self.starts[k] = self.n_pairs
+        for link in sentence.links:
+            if not link.target or not link.element or set(link.target) & set(link.element):
+                self.skipped_overlap += 1
+                continue
+            options = shifts(link.target, link.element, len(sentence.words))
+            self.n_links += 1
+            if not options:
+                self.no_baseline += 1
+            else:
+                self.n_paired += 1
+                if baseline_samples is not None:
+                    options = rng.choice(options, size=baseline_samples, replace=True)
+            d = np.concatenate([[0], np.asarray(options, dtype=np.int64)])     # (1 + S,) the link, its shifts
+            for words, ids in ((link.target, self._target), (link.element, self._element)):
+                w = np.zeros((len(d), len(sentence.words) + 2), dtype=bool)     # (1 + S, n + 2) words + 1
+                w[np.arange(len(d))[:, None], np.asarray(words)[None, :] + d[:, None] + 1] = True
+                ids.append(self.spans.add_many(w[:, wop]))                      # (1 + S, T) pieces
+            weights = np.zeros((len(d), 3))                                     # (1 + S, 3)
+            weights[0, 0] = 1.0
+            if len(d) > 1:
+                weights[0, 1] = 1.0
+                weights[1:, 2] = 1.0 / (len(d) - 1)
+            self._weights.append(weights)
+            self.n_pairs += len(d)
+        self.stops[k] = self.n_pairs
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(target span ids (P,), element span ids (P,), weights (P, 3)) of every pair."""
+        cat = lambda xs, shape: np.concatenate(xs) if xs else np.zeros(shape)  # noqa: E731
+        return (cat(self._target, 0).astype(np.int64), cat(self._element, 0).astype(np.int64),
+                cat(self._weights, (0, 3)))
+
+
 def head_link_scores(model, tokenizer, sentences, device: str = "cpu", baseline_samples: int | None = None,
                      seed: int = 0, max_tokens: int = 4096, desc: str = "framenet") -> dict:
     """Mean link scores and baseline scores of one model over ``sentences`` (:class:`FrameSentence`).
@@ -120,6 +155,10 @@ def head_link_scores(model, tokenizer, sentences, device: str = "cpu", baseline_
     Baseline of a link: the mean score over every same-shape shift of its two spans
     (``baseline_samples=None``, the expectation of a random placement) or over that many shifts drawn
     at random (seeded); every link weighs the same in the mean over links.
+
+    The span pairs of every link and shift are planned on the host before the maps stream; each batch of maps
+    (:meth:`probes.maps.MapEngine.iter_piece_map_batches`) is reduced at once on its device
+    (:func:`probes.maps.spans.block_max` over all its pairs, both directions), into running float64 sums there.
 
     Returns ``dict(score, target_to_fe, fe_to_target, baseline, baseline_target_to_fe,
     baseline_fe_to_target, difference`` (each (L, H) numpy; difference = score - baseline over the
@@ -131,42 +170,39 @@ def head_link_scores(model, tokenizer, sentences, device: str = "cpu", baseline_
     keep = [k for k, e in enumerate(encoded) if e.n_pieces <= limit]
     skipped_long = len(sents) - len(keep)
     rng = np.random.default_rng(seed)
-    links, paired, base = _Sums(), _Sums(), _Sums()  # all links; links with a baseline; their baselines
-    skipped_overlap = no_baseline = 0
     engine = MapEngine(model, Attention(), tokenizer=tokenizer, device=device, max_tokens=max_tokens,
                        max_batch_size=64, max_pairs=None)
-    for j, attn in engine.iter_piece_maps([encoded[k] for k in keep], desc=desc):  # attn: (L, H, T, T)
-        s, enc = sents[keep[j]], encoded[keep[j]]
-        for link in s.links:
-            if not link.target or not link.element or set(link.target) & set(link.element):
-                skipped_overlap += 1
-                continue
-            real = span_scores(attn, pieces_of(enc.word_of_piece, link.target),
-                               pieces_of(enc.word_of_piece, link.element))  # 2 x (L, H)
-            links.add(*real)
-            options = shifts(link.target, link.element, len(s.words))
-            if not options:
-                no_baseline += 1
-                continue
-            paired.add(*real)
-            if baseline_samples is not None:
-                options = rng.choice(options, size=baseline_samples, replace=True)
-            pairs = [span_scores(attn, pieces_of(enc.word_of_piece, [w + d for w in link.target]),
-                                 pieces_of(enc.word_of_piece, [w + d for w in link.element])) for d in options]
-            t2f = torch.stack([p[0] for p in pairs])                # (S, L, H)
-            f2t = torch.stack([p[1] for p in pairs])                # (S, L, H)
-            base.add(t2f.mean(0), f2t.mean(0), torch.maximum(t2f, f2t).mean(0))  # each link weighs the same
-    if links.n == 0:
+    items = [encoded[k] for k in keep]
+    plan = _LinkPlan(len(items))
+    for j in (j for b in engine.batches(items) for j in b):  # the order the maps come in: the baseline draws keep it
+        plan.add_sentence(j, sents[keep[j]], items[j], baseline_samples, rng)
+    target, element, weights = plan.arrays()  # (P,), (P,), (P, 3)
+    sums = None  # (3, 3, L, H) float64: [all links, links with a baseline, baselines] x [t2f, f2t, both]
+    for positions, _, maps in engine.iter_piece_map_batches(items, desc=desc):  # maps: (B, L, H, T, T)
+        rows, slot = positions_of(positions, plan.starts, plan.stops)  # (n,) pair ids, (n,) batch entries
+        if not len(rows):
+            continue
+        T = maps.shape[-1]
+        t_mask, e_mask = plan.spans.masks(target[rows], T), plan.spans.masks(element[rows], T)  # (n, T) each
+        both_ways = block_max(maps, np.concatenate([slot, slot]), np.concatenate([t_mask, e_mask]),
+                              np.concatenate([e_mask, t_mask]), absolute=True)  # (2n, L, H)
+        t2f, f2t = both_ways.split(len(rows))  # (n, L, H) each
+        batch = weighted_sums(torch.stack([t2f, f2t, torch.maximum(t2f, f2t)], 1), weights[rows])  # (3, 3, L, H)
+        sums = batch if sums is None else sums + batch
+    if plan.n_links == 0:
         raise ValueError("framenet_heads: no usable link (every sentence too long, or no core frame element)")
-    out = dict(zip(("score", "target_to_fe", "fe_to_target"), links.means()))
-    if base.n:
-        out.update(zip(("baseline", "baseline_target_to_fe", "baseline_fe_to_target"), base.means()))
-        out["difference"] = paired.means()[0] - out["baseline"]  # over the same links
+    means = sums.cpu().numpy()  # (3, 3, L, H)
+    out = dict(zip(("target_to_fe", "fe_to_target", "score"), means[0] / plan.n_links))
+    if plan.n_paired:
+        out.update(zip(("baseline_target_to_fe", "baseline_fe_to_target", "baseline"), means[2] / plan.n_paired))
+        out["difference"] = means[1, 2] / plan.n_paired - out["baseline"]  # over the same links
     else:
         out.update({k: np.full_like(out["score"], np.nan) for k in ("baseline", "baseline_target_to_fe",
                                                                     "baseline_fe_to_target", "difference")})
-    out.update(n_links=links.n, n_baseline=base.n, n_sentences=len(keep), skipped_long=skipped_long,
-               skipped_overlap=skipped_overlap, no_baseline=no_baseline)
+    out = {k: out[k] for k in ("score", "target_to_fe", "fe_to_target", "baseline", "baseline_target_to_fe",
+                               "baseline_fe_to_target", "difference")}
+    out.update(n_links=plan.n_links, n_baseline=plan.n_paired, n_sentences=len(keep), skipped_long=skipped_long,
+               skipped_overlap=plan.skipped_overlap, no_baseline=plan.no_baseline)
     return out
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.kovaleva.linguistic_attention.examples import (ExampleSelection, LabelledExample,
@@ -15,6 +16,7 @@ from probes.analysis.kovaleva.linguistic_attention.examples import (ExampleSelec
 from probes.analysis.kovaleva.linguistic_attention.rules import KindRules, feature_groups, relation_pairs
 from probes.data.glue import read_glue, task_spec
 from probes.maps import MapEngine
+from probes.maps.spans import Spans, block_max, column_reduce, positions_of, segment_max
 from probes.measures.attention import Attention
 from probes.model.families import usable_max_length
 from probes.stats import resamples
@@ -154,21 +156,94 @@ class LinguisticResult:
     changes: list[dict]             # linguistic_change rows (pre-trained vs fine-tuned)
 
 
+class _ExamplePlan:
+    """The piece groups of every example's kinds and the (source, target) pieces of every relation pair, built
+    once per example on the host before the maps stream.
+
+    Groups: rows of (span, kind index), example ``k``'s rows ``group_starts[k]:group_stops[k]``; pairs: rows of
+    (source span, target span, relation index), example ``k``'s ``pair_starts[k]:pair_stops[k]``; ``has_kind``
+    (N, K) / ``has_pair`` (N, R): whether example ``k`` has a group of a kind / a pair of a relation."""
+
+    def __init__(self, items: Sequence[LabelledExample], tok, rules: KindRules):
+        kinds, relations = rules.names, list(rules.relations.values())
+        self.spans = Spans()
+        group_span, group_kind, pair_src, pair_tgt, pair_rel = [], [], [], [], []
+        n = len(items)
+        self.group_starts, self.group_stops = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self.pair_starts, self.pair_stops = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self.has_kind = np.zeros((n, len(kinds)), dtype=bool)
+        self.has_pair = np.zeros((n, len(relations)), dtype=bool)
+        for k, it in enumerate(items):
+            groups = feature_groups(it.input_ids, it.word_of_piece, it.words, rules.features, tok.cls_token_id,
+                                    tok.sep_token_id)
+            self.group_starts[k] = len(group_span)
+            for f, name in enumerate(kinds):
+                for g in groups.get(name, ()):
+                    group_span.append(self.spans.add(g))
+                    group_kind.append(f)
+                self.has_kind[k, f] = bool(groups.get(name))
+            self.group_stops[k] = len(group_span)
+            self.pair_starts[k] = len(pair_src)
+            for r, rel in enumerate(relations):
+                for src, tgt in relation_pairs(it.word_of_piece, it.words, rel):
+                    pair_src.append(self.spans.add(src))
+                    pair_tgt.append(self.spans.add(tgt))
+                    pair_rel.append(r)
+                    self.has_pair[k, r] = True
+            self.pair_stops[k] = len(pair_src)
+        as_ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+        self.group_span, self.group_kind = as_ids(group_span), as_ids(group_kind)
+        self.pair_src, self.pair_tgt, self.pair_rel = as_ids(pair_src), as_ids(pair_tgt), as_ids(pair_rel)
+
+
+def batch_scores(maps: torch.Tensor, lengths: torch.Tensor, positions: Sequence[int], plan: _ExamplePlan,
+                 n_kinds: int, n_relations: int, piece_pooling: str = "max") -> torch.Tensor:
+    """The scores of one batch of examples at once, on the maps' device: (B, 2K + R, L, H) float32, per example
+    its K kinds' received attention, their [CLS]-row scores and its R relations' token-to-token scores
+    (:func:`example_scores` and :func:`pair_scores` of each example; -inf where it has no group / pair).
+
+    maps: (B, L, H, T, T), padded entries 0; lengths: (B,) pieces of each example."""
+    B, L, H, T, _ = maps.shape
+    received = maps.sum(3) / lengths.to(maps.device, maps.dtype)[:, None, None, None]  # (B, L, H, T)
+    from_cls = maps[:, :, :, 0, :]                                                   # (B, L, H, T)
+    rows, slot = positions_of(positions, plan.group_starts, plan.group_stops)        # (G,) groups, (G,) entries
+    pooled = column_reduce(torch.stack([received, from_cls], 1), slot, plan.spans.masks(plan.group_span[rows], T),
+                           "sum" if piece_pooling == "sum" else "max")               # (G, 2, L, H)
+    kinds = segment_max(pooled, slot * n_kinds + plan.group_kind[rows], B * n_kinds)   # (B*K, 2, L, H)
+    kinds = kinds.view(B, n_kinds, 2, L, H).transpose(1, 2).reshape(B, 2 * n_kinds, L, H)  # (B, 2K, L, H)
+    rows, slot = positions_of(positions, plan.pair_starts, plan.pair_stops)          # (P,) pairs, (P,) entries
+    best = block_max(maps, slot, plan.spans.masks(plan.pair_src[rows], T),
+                     plan.spans.masks(plan.pair_tgt[rows], T))                       # (P, L, H)
+    pairs = segment_max(best, slot * n_relations + plan.pair_rel[rows], B * n_relations)  # (B*R, L, H)
+    return torch.cat([kinds, pairs.view(B, n_relations, L, H)], 1)                   # (B, 2K + R, L, H)
+
+
 def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, max_tokens: int, desc: str
              ) -> tuple[FeatureAccumulator, FeatureAccumulator]:
-    """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations."""
+    """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations.
+
+    The groups and pairs of every example are planned on the host first; each batch of maps
+    (:meth:`probes.maps.MapEngine.iter_piece_map_batches`) is scored at once on its device (:func:`batch_scores`),
+    and the (B, 2K + R, L, H) scores are copied to the host once, at the end, in the order the examples came."""
+    if rules.piece_pooling not in ("sum", "max"):
+        raise ValueError(f"piece_pooling must be sum or max, got {rules.piece_pooling!r}")
     acc = FeatureAccumulator(rules.names, rules.missing)
     racc = FeatureAccumulator(list(rules.relations), rules.relation_missing)
     engine = MapEngine(model, Attention(), tokenizer=tok, device=ctx.device, max_tokens=max_tokens,
                        max_batch_size=64, max_pairs=None)
-    for k, attn in engine.iter_piece_maps([it.encoded for it in items], desc=desc):
-        it = items[k]
-        a = attn.cpu().numpy()  # (L, H, T, T)
-        groups = feature_groups(it.input_ids, it.word_of_piece, it.words, rules.features, tok.cls_token_id,
-                                tok.sep_token_id)
-        acc.add(example_scores(a, groups, rules.piece_pooling), index=k)
-        racc.add({r: pair_scores(a, relation_pairs(it.word_of_piece, it.words, rel))
-                  for r, rel in rules.relations.items()}, index=k)
+    plan = _ExamplePlan(items, tok, rules)
+    K, R = len(rules.names), len(rules.relations)
+    order, scores = [], []
+    for positions, lengths, maps in engine.iter_piece_map_batches([it.encoded for it in items], desc=desc):
+        order += positions
+        scores.append(batch_scores(maps, lengths, positions, plan, K, R, rules.piece_pooling))  # (B, 2K + R, L, H)
+    if not order:
+        return acc, racc
+    every = torch.cat(scores).cpu().numpy()  # (N, 2K + R, L, H), in the order the examples came
+    relations = list(rules.relations)
+    for row, k in zip(every, order):
+        acc.add({f: (row[i], row[K + i]) for i, f in enumerate(rules.names) if plan.has_kind[k, i]}, index=k)
+        racc.add({r: row[2 * K + i] if plan.has_pair[k, i] else None for i, r in enumerate(relations)}, index=k)
     return acc, racc
 
 
