@@ -3,8 +3,8 @@
 For each task in ``task`` (one GLUE task or a list) its ``split`` examples (first ``max_examples``
 that are ``min_length``..``max_length`` wordpieces long; the CNN was trained on maps of 12 to 64)
 are encoded as the labelled maps were (``[CLS] a [SEP] b [SEP]`` for pairs, the model's own
-tokenizer, :func:`probes.model.inputs.encode_texts`); every head's full wordpiece map (live, from
-:meth:`probes.maps.MapEngine.iter_piece_maps`) is classified by the trained CNN (``classifier``, a
+tokenizer, :func:`probes.model.inputs.encode_texts`); every head's full wordpiece map (live, batch by batch on the
+device, :func:`head_predictions`) is classified by the trained CNN (``classifier``, a
 ``.ckpt`` of ``python train.py experiment=patterns`` or its run folder). Done for the pre-trained
 ``encoder``, and for the fine-tuned model ``checkpoint`` when given (a GLUE run folder, its
 ``hf_model`` folder or a ``.ckpt``; ``{task: path}`` for several tasks; same vocabulary as ``encoder``).
@@ -49,6 +49,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import torch
 from scipy.optimize import nnls
 
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
@@ -86,15 +87,26 @@ def encode_glue(tokenizer, examples, min_length: int = 0, max_length: int | None
 
 def head_predictions(classifier, model, items: list[Encoded], device: str = "cpu", max_tokens: int = 4096,
                      progress: bool = True, desc: str = "pattern_types", pad_id: int = 0) -> np.ndarray:
-    """(N, L, H) class index of every example's map of every head (in ``items`` order)."""
+    """(N, L, H) class index of every example's map of every head (in ``items`` order).
+
+    Batch by batch on the maps' device (:meth:`probes.maps.MapEngine.iter_piece_map_batches`, (B, L, H, T, T)
+    padded maps): the sentences of each length t in the batch are taken together, their maps
+    ``maps[idx, :, :, :t, :t]`` preprocessed and classified at once by the CNN
+    (:meth:`probes.patterns.module.PatternClassifier.predict_tensor`, the preprocessing of training and of
+    ``predict_maps``); only the (B, L, H) class indices come to the host."""
     pred = None
     engine = MapEngine(model, Attention(), pad_id=pad_id, device=device, max_tokens=max_tokens, max_batch_size=64,
                        max_pairs=None)
-    for k, attn in engine.iter_piece_maps(items, desc=desc, progress=progress):
-        L, H, T, _ = attn.shape  # (L, H, T, T)
+    for positions, lengths, maps in engine.iter_piece_map_batches(items, desc=desc, progress=progress):
+        B, L, H = maps.shape[:3]  # maps: (B, L, H, T, T)
         if pred is None:
             pred = np.zeros((len(items), L, H), dtype=np.int16)
-        pred[k] = classifier.predict_maps(list(attn.reshape(L * H, T, T).cpu().numpy())).reshape(L, H)
+        classes = torch.empty(B, L, H, dtype=torch.long, device=maps.device)
+        for t in torch.unique(lengths).tolist():  # each distinct length of the batch, not each sentence
+            idx = (lengths == t).nonzero().squeeze(1)  # (G,) the batch's sentences of t pieces
+            group = maps[:, :, :, :t, :t].index_select(0, idx).reshape(-1, t, t)  # (G * L * H, t, t)
+            classes[idx] = classifier.predict_tensor(group).to(maps.device).view(-1, L, H)
+        pred[positions] = classes.cpu().numpy()
     if pred is None:
         raise ValueError("no example to classify (all filtered by length?)")
     return pred

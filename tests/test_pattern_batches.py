@@ -1,0 +1,138 @@
+"""``analysis=pattern_types``' per-head classes, computed a batch at a time on the maps' device
+(:func:`probes.analysis.kovaleva.pattern_types.head_predictions`), against a plain per-example loop written here.
+
+The reference is independent of the batching under test: each example's inputs are the model's own tokenizer on
+the raw text (a sentence, or a pair in the tokenizer's pair form), one eager forward with ``output_attentions=True``
+per example, and every head's map classified alone by ``predict_maps`` (preprocessed on the host). Batches are
+small, hold examples of different lengths (padding) and examples of the same length (classified together). The
+tiny random models' queries and keys are scaled up (in both models alike) so that their maps are peaked and the
+classes vary from head to head.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+import probes
+from probes.analysis.kovaleva.pattern_types import encode_glue, head_predictions
+from probes.maps import MapEngine, pad_id_of
+from probes.measures.attention import Attention
+from probes.model.tiny import tiny_folder
+from probes.patterns.components.cnn import CLASSES
+from probes.patterns.module import PatternClassifier
+from tests import reference
+
+MAX_POSITIONS = 64
+MAX_TOKENS = 60  # a few examples per batch
+# texts of different lengths; some of the same length (the same words in another order), so that batches hold
+# both several lengths and several examples of one length
+TEXTS = ["The cat sat on the mat .", "The mat sat on the cat .", "Dogs bark .", "Nobody sleeps , ever .",
+         "A wheel rolled by , slowly , in the dark night .", "A night rolled by , slowly , in the dark wheel .",
+         "Hello there !", "Yes .", "No , thanks .", "It was warm , and quiet .", "It was quiet , and warm .",
+         "She likes apples and pears very much , they said .", "Too short ."]
+SHARPEN = 10.0  # queries and keys scaled in both models: peaked maps (a random model's near-uniform maps look alike)
+TIE = 1e-4  # a map whose two best logits are closer than this may go either way (float noise of the two forwards)
+
+
+def _sharpen(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if re.search(r"\.(query|key|q_proj|k_proj)\.", name):
+                p.mul_(SHARPEN)
+    return model
+
+
+@pytest.fixture(scope="module", params=["bert", "llama"])  # an encoder; a decoder (causal, no pair form)
+def model(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pattern-batches")
+    folder = tiny_folder(request.param, root=root, max_positions=MAX_POSITIONS)
+    enc = probes.load_encoder(str(folder))
+    _sharpen(enc.model)
+    eager = _sharpen(AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval())
+    return request.param, enc, eager, AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    """A randomly initialised CNN (both channels) whose last layer is centred on random peaked maps, so that its
+    classes vary from map to map (uncentred, one class wins everywhere)."""
+    torch.manual_seed(0)
+    m = PatternClassifier(channels=("max", "sqrt"), class_weighting="none").eval()
+    g = torch.Generator().manual_seed(0)
+    maps = torch.softmax(4 * torch.randn(64, 24, 24, generator=g), -1)  # (64, 24, 24)
+    with torch.no_grad():
+        last = m.net.head[-1]
+        last.bias -= last(m.net.head[:-1](m.net.features(m.preprocess_tensor(maps)))).mean(0)
+    return m
+
+
+def _examples(pairs: bool) -> list:
+    if not pairs:
+        return [SimpleNamespace(text_a=t, text_b=None) for t in TEXTS]
+    firsts = TEXTS[:7]
+    return [SimpleNamespace(text_a=a, text_b=b) for a, b in zip(firsts, firsts[1:] + firsts[:1])] + \
+        [SimpleNamespace(text_a=b, text_b=a) for a, b in zip(firsts[:4], firsts[1:5])]  # swapped: same lengths
+
+
+def _reference(eager, tok, classifier, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(N, L, H) classes by a plain loop: the tokenizer on each raw text, one eager forward, each map alone through
+    ``predict_maps``; with each map's runner-up class and the margin of its two best logits."""
+    sentences = [SimpleNamespace(words=t.split(), doc_id=f"d{n}")
+                 for n, e in enumerate(examples) for t in (e.text_a, e.text_b) if t is not None]
+    classes, second, margin = [], [], []
+    for inputs, _, _ in reference.reference_inputs(tok, sentences, pairs=examples[0].text_b is not None):
+        att = reference.eager_maps(eager, inputs).astype(np.float32)  # (L, H, T, T)
+        L, H = att.shape[:2]
+        classes.append([[int(classifier.predict_maps([att[l, h]])[0]) for h in range(H)] for l in range(L)])
+        with torch.no_grad():
+            top = classifier(classifier.preprocess(list(att.reshape(L * H, *att.shape[2:])))).topk(2, 1)
+        second.append(top.indices[:, 1].reshape(L, H).numpy())
+        margin.append((top.values[:, 0] - top.values[:, 1]).reshape(L, H).numpy())
+    return np.array(classes), np.array(second), np.array(margin)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_batched_classes_equal_a_per_example_loop(model, classifier, pairs, monkeypatch):
+    family, enc, eager, tok = model
+    if pairs and family == "llama":
+        pytest.skip("a decoder has no pair form of its own tokenizer to build the reference from")
+    examples = _examples(pairs)
+    items, skipped = encode_glue(enc.tokenizer, examples)
+    assert skipped == 0 and max(e.n_pieces for e in items) <= MAX_POSITIONS
+    # the batches: several, some with several lengths (padding), some with several examples of one length
+    batches = MapEngine(enc.model, Attention(), max_tokens=MAX_TOKENS, max_batch_size=64, max_pairs=None
+                        ).batches(items)
+    lengths = [[items[k].n_pieces for k in b] for b in batches]
+    assert len(batches) >= 3
+    assert any(len(set(n)) > 1 for n in lengths) and any(len(set(n)) < len(n) for n in lengths)
+    want, second, margin = _reference(eager, tok, classifier, examples)
+    with monkeypatch.context() as m:  # the batched path classifies on the device, never map by map on the host
+        m.setattr(PatternClassifier, "predict_maps", lambda *a, **k: pytest.fail("predict_maps called"))
+        got = head_predictions(classifier, enc.model, items, "cpu", MAX_TOKENS, progress=False,
+                               pad_id=pad_id_of(enc.tokenizer))
+    assert got.dtype == np.int16 and got.shape == want.shape == (len(items), enc.num_layers, enc.num_heads)
+    assert len(np.unique(want)) > 1  # the classifier tells maps apart: the comparison is not trivial
+    tie = margin < TIE
+    assert tie.mean() < 0.05
+    np.testing.assert_array_equal(got[~tie], want[~tie])
+    assert np.all((got[tie] == want[tie]) | (got[tie] == second[tie]))
+
+
+def test_predict_tensor_equals_predict_maps(classifier):
+    """Equal-size maps as one tensor: the classes and network inputs of the host path, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for t in (5, 32, 47):
+        maps = torch.softmax(3 * torch.randn(20, t, t, generator=g), -1)  # (20, t, t)
+        maps[::4, :, 0] += 1.0  # some columns
+        got = classifier.predict_tensor(maps, batch_size=7)
+        assert got.dtype == torch.long and got.shape == (20,)
+        np.testing.assert_array_equal(got.numpy(), classifier.predict_maps(list(maps.numpy())))
+        assert torch.equal(classifier.preprocess_tensor(maps), classifier.preprocess(list(maps.numpy())))
+    assert classifier.predict_tensor(torch.zeros(0, 4, 4)).shape == (0,)
+    assert set(classifier.classes) == set(CLASSES)
