@@ -9,7 +9,9 @@ Inputs: the first ``--sentences`` sentences of UD EWT dev (``--split``), read as
 sentence alone), ``sink`` the windows of 64 pieces of the split's running text (as many as the sentences' pieces
 fill), ``clustering`` the pairs of head_stats; ``head_stats_loop``: head_stats' pairs through the per-sentence path it had
 before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``), for comparison; ``dep_heads`` each
-sentence alone, scored from an attention cache of them built (in a temporary folder) before the rounds.
+sentence alone, scored from an attention cache of them built (in a temporary folder) before the rounds;
+``pattern_types`` and ``linguistic_attention`` each sentence alone (linguistic_attention's token kinds and relations
+on the gold UD labels, its ``source=treebank``).
 ``--encoder``: the extraction bench's choices (``extract_speed.load_bench_encoder``: ``minilm``,
 ``bert-base-random``: bert-base's shape with random weights and the MiniLM vocabulary, no download; or a folder).
 
@@ -21,13 +23,16 @@ For each analysis, in alternation for ``--rounds`` rounds (the best of each kept
   result on the host; ``sink``: :func:`probes.analysis.beyond.sink.first_token_alpha`; ``clustering``:
   :func:`probes.analysis.clark.clustering.head_distances` and its results on the host; ``dep_heads``:
   :func:`probes.analysis.clark.dep_heads.evaluate` on the cache (the scoring, timed alone; reported as bare plus it:
-  the maps an extraction computes, then their scoring; ``scoring_*`` the scoring alone).
+  the maps an extraction computes, then their scoring; ``scoring_*`` the scoring alone); ``pattern_types``:
+  :func:`probes.analysis.kovaleva.pattern_types.head_predictions` with a CNN of the default shape and random weights
+  (the work of a trained one); ``linguistic_attention``: its scoring of one model
+  (``probes.analysis.kovaleva.linguistic_attention.scoring._run_one``) with the paper's kinds and relations.
 
 Reported: pieces (tokens) per second of wall time, the analysis's throughput over bare's, CPU seconds (the main
 thread's: with ``--threads 1`` every CPU kernel runs there; the memory sampler's thread is not counted), the CPU-s
 per 1,000 sentences (inputs) the analysis adds to bare's, split into its reductions' tensor operators (the CPU time
-inside the reducers' ``update`` and ``batch_results`` and ``DepAccumulator.add_batch``, :func:`timed_updates`: on a GPU
-the device's work) and the rest, its host work
+inside the reducers' ``update`` and ``batch_results``, ``DepAccumulator.add_batch``, linguistic_attention's
+``batch_scores`` and the CNN's ``predict_tensor``, :func:`timed_updates`: on a GPU the device's work) and the rest, its host work
 (flags, batching, Python: what stays on the CPU beside a GPU), the high-water mark of the process's own anonymous
 memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
 (``torch.cuda.max_memory_allocated``). The CPU is named (:func:`probes.machine.cpu_description`) beside the numbers.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -54,20 +60,29 @@ from probes.analysis.beyond.sink import first_token_alpha, running_split_text, t
 from probes.analysis.clark import dep_heads, head_stats  # noqa: E402
 from probes.analysis.clark.clustering import head_distances  # noqa: E402
 from probes.analysis.clark.metrics import DepAccumulator, HeadStatsAccumulator, is_causal  # noqa: E402
-from probes.config import compose  # noqa: E402
+from probes.analysis.kovaleva import pattern_types  # noqa: E402
+from probes.analysis.kovaleva.linguistic_attention import scoring  # noqa: E402
+from probes.analysis.kovaleva.linguistic_attention.examples import treebank_items  # noqa: E402
+from probes.analysis.kovaleva.linguistic_attention.rules import KindRules  # noqa: E402
+from probes.patterns.module import PatternClassifier  # noqa: E402
+from probes.config import compose, plain  # noqa: E402
 from probes.data.sources import Treebank  # noqa: E402
 from probes.extract.attention_caches import ensure_cache  # noqa: E402
 from probes.extract.settings import ExtractSettings  # noqa: E402
 from probes.data.conllu import read_conllu  # noqa: E402
 from probes.machine import cpu_description  # noqa: E402
-from probes.maps import MapEngine  # noqa: E402
+from probes.maps import MapEngine, pad_id_of  # noqa: E402
 from probes.maps.reducers import HeadDistances, HeadStats, Reducer  # noqa: E402
 from probes.measures.attention import Attention  # noqa: E402
 from probes.memory import AnonPeak  # noqa: E402
 from extract_speed import load_bench_encoder  # noqa: E402  (the same encoders as the extraction bench)
 
-ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop", "dep_heads")
-CACHED = ("dep_heads",)  # analyses that read the attention cache: built before the rounds, the scoring timed
+ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop", "dep_heads", "pattern_types",
+            "linguistic_attention")
+CACHED = ("dep_heads",)
+# linguistic_attention's node keys that KindRules.from_config takes
+RULE_ARGS = ("feature_set", "feature_sets", "features", "piece_pooling", "missing", "missing_by_feature", "relations",
+             "relation_missing")  # analyses that read the attention cache: built before the rounds, the scoring timed
 
 
 class Nothing(Reducer):
@@ -91,27 +106,29 @@ def timed_updates(out: dict):
     """Time (main thread's CPU) every ``update`` and ``batch_results`` of the reducers while inside: the reductions'
     tensor operators (on a GPU the device's work), so that the rest of the analysis's CPU beyond bare's is its host
     work."""
-    originals = {(cls, name): getattr(cls, name) for cls, names in ((HeadStats, ("update", "batch_results")),
-                                                                    (HeadDistances, ("update", "batch_results")),
-                                                                    (DepAccumulator, ("add_batch",)))
+    # the reductions: the reducers' updates, the batched scoring of dep_heads, linguistic_attention and the CNN
+    originals = {(owner, name): getattr(owner, name)
+                 for owner, names in ((HeadStats, ("update", "batch_results")),
+                                      (HeadDistances, ("update", "batch_results")), (DepAccumulator, ("add_batch",)),
+                                      (scoring, ("batch_scores",)), (PatternClassifier, ("predict_tensor",)))
                  for name in names}
 
     def timed(original):
-        def update(self, *args, **kwargs):
+        def update(*args, **kwargs):
             t = time.thread_time()
             try:
-                return original(self, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 out["reductions_cpu_s"] = out.get("reductions_cpu_s", 0.0) + time.thread_time() - t
         return update
 
-    for (cls, name), original in originals.items():
-        setattr(cls, name, timed(original))
+    for (owner, name), original in originals.items():
+        setattr(owner, name, timed(original))
     try:
         yield
     finally:
-        for (cls, name), original in originals.items():
-            setattr(cls, name, original)
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -132,7 +149,11 @@ def measured(out: dict, device: str):
 
 
 def inputs_of(analysis: str, enc, sentences):
-    """(encoded inputs, the number of sentences they hold) as the analysis reads them."""
+    """(encoded inputs, the number of sentences they hold) as the analysis reads them (linguistic_attention: its
+    labelled examples, their ``encoded`` the inputs)."""
+    if analysis == "linguistic_attention":
+        items = [it for it in treebank_items(enc.tokenizer, sentences) if it.encoded.n_pieces <= enc.max_length]
+        return items, len(items)
     if analysis == "sink":
         windows = text_windows(enc.tokenizer, running_split_text(sentences), 64, None, what="the sentences")
         return windows, len(sentences)
@@ -142,11 +163,25 @@ def inputs_of(analysis: str, enc, sentences):
     return [encoded[k] for k in keep], sum(len(members[k]) for k in keep)
 
 
+@functools.lru_cache(maxsize=1)
+def linguistic_rules() -> KindRules:
+    """The paper's token kinds and relations (conf/analysis/linguistic_attention.yaml), composed once."""
+    node = plain(compose("analyze", ["analysis=linguistic_attention"]).analysis)
+    return KindRules.from_config(**{k: v for k, v in node.items() if k in RULE_ARGS})
+
+
 def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_batch_size: int, cached=None):
     if analysis == "dep_heads":  # the scoring of the cached word maps (the cache built before)
         cache, sentences = cached
         return dep_heads.evaluate(cache, sentences, cache.num_layers, cache.num_heads, progress=False,
                                   causal=is_causal(enc), device=device).count
+    if analysis == "pattern_types":  # a CNN of the default shape, random weights: the same work as a trained one
+        classifier = PatternClassifier(class_weighting="none").eval()
+        return pattern_types.head_predictions(classifier, enc.model, items, device, max_tokens, progress=False,
+                                              pad_id=pad_id_of(enc.tokenizer))
+    if analysis == "linguistic_attention":  # the paper's token kinds and relations on gold UD labels
+        return scoring._run_one(argparse.Namespace(device=device), items, enc.model, enc.tokenizer, linguistic_rules(),
+                                max_tokens, "linguistic_attention")[0].count
     if analysis == "sink":
         return first_token_alpha(enc, items, device, max_batch_size=max_batch_size, max_tokens=max_tokens)
     if analysis == "head_stats_loop":  # the per-sentence path head_stats had before the reducers, for comparison
@@ -213,17 +248,20 @@ def main(argv=None) -> dict:
     with autocast, tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
         for analysis in args.analyses:
             items, n_sentences = inputs_of(analysis, enc, sentences)
+            if analysis == "linguistic_attention":
+                linguistic_rules()  # composed before the rounds
             cached = (build_cache(enc, path, len(sentences), args.precision, Path(tmp))
                       if analysis in CACHED else None)
-            pieces = sum(e.n_pieces for e in items)
-            run_bare(enc, items[:8], args.device, **kw)  # warm-up
+            encoded = [getattr(e, "encoded", e) for e in items]  # (linguistic_attention's examples: their encoding)
+            pieces = sum(e.n_pieces for e in encoded)
+            run_bare(enc, encoded[:8], args.device, **kw)  # warm-up
             best: dict[str, dict] = {}
             for _ in range(args.rounds):
                 for which in ("bare", analysis):
                     m: dict = {}
                     with measured(m, args.device):
                         if which == "bare":
-                            run_bare(enc, items, args.device, **kw)
+                            run_bare(enc, encoded, args.device, **kw)
                         else:
                             with timed_updates(m):
                                 run_analysis(analysis, enc, items, args.device, **kw, cached=cached)

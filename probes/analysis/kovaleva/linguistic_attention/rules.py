@@ -59,30 +59,84 @@ def clauses(rule) -> list[dict]:
     return out
 
 
-def _clause_holds(word: Mapping, clause: Mapping, words: Sequence[Mapping]) -> bool:
-    for key, want in clause.items():
+def _compile(rule) -> list[list[tuple[str, object]]]:
+    """A kind's rule as clauses of (key, wanted) with the wanted values as sets, built once per rule (a word is
+    then checked without rebuilding them)."""
+    out = []
+    for clause in clauses(rule):
+        keys = []
+        for key, want in clause.items():
+            if key == "words":
+                want = {w.lower() for w in want}
+            elif key not in ("special", "scheme"):
+                want = set(want)
+            keys.append((key, want))
+        out.append(keys)
+    return out
+
+
+def _holds(word: Mapping, clause: list[tuple[str, object]], words: Sequence[Mapping]) -> bool:
+    for key, want in clause:
         if key == "special":
             return False  # special tokens are not words
         if key == "scheme":
             ok = word.get("scheme") == want
         elif key == "words":
-            ok = str(word.get("text", "")).lower() in {w.lower() for w in want}
+            ok = str(word.get("text", "")).lower() in want
         elif key == "child_deprel":
-            ok = bool(set(word.get("child_deprels", ())) & set(want))
+            ok = bool(set(word.get("child_deprels", ())) & want)
         elif key == "head_upos":
             h = word.get("head", -1)
-            ok = h is not None and h >= 0 and words[h].get("upos") in set(want)
+            ok = h is not None and h >= 0 and words[h].get("upos") in want
         else:
-            ok = word.get(key) in set(want)
+            ok = word.get(key) in want
         if not ok:
             return False
     return True
 
 
+def _matches(word: Mapping, compiled: list[list[tuple[str, object]]], words: Sequence[Mapping]) -> bool:
+    return any(_holds(word, c, words) for c in compiled)
+
+
+def _signature(word: Mapping, words: Sequence[Mapping]) -> tuple:
+    """Everything of a word that a rule may read (:data:`RULE_KEYS`): its text (lowercased), upos, xpos, deprel,
+    child relations, its head's upos, its scheme."""
+    h = word.get("head", -1)
+    return (str(word.get("text", "")).lower(), word.get("upos"), word.get("xpos"), word.get("deprel"),
+            tuple(sorted(word.get("child_deprels", ()))), words[h].get("upos") if h is not None and h >= 0 else None,
+            word.get("scheme"))
+
+
+class _Rule:
+    """A compiled rule and what it said of every word :func:`_signature` seen (the examples' words repeat)."""
+
+    def __init__(self, rule):
+        self.compiled = _compile(rule)
+        self.memo: dict[tuple, bool] = {}
+
+    def matches(self, word: Mapping, words: Sequence[Mapping], signature: tuple) -> bool:
+        hit = self.memo.get(signature)
+        if hit is None:
+            hit = self.memo[signature] = _matches(word, self.compiled, words)
+        return hit
+
+
+_RULES: dict[str, _Rule] = {}
+
+
+def _rule(rule) -> _Rule:
+    """The :class:`_Rule` of a rule (a kind's mapping or list of clauses), one per distinct rule in this process."""
+    key = repr(rule)
+    if key not in _RULES:
+        _RULES[key] = _Rule(rule)
+    return _RULES[key]
+
+
 def word_matches(word: Mapping, rule, words: Sequence[Mapping] = ()) -> bool:
     """Does one word (dict: text, upos, xpos, deprel, head, child_deprels, scheme) satisfy a kind's rule?
     ``words``: the example's words (for ``head_upos``)."""
-    return any(_clause_holds(word, c, words) for c in clauses(rule))
+    return _matches(word, _compile(rule), words)
 
 
 def _pieces_of(word_of_piece: Sequence[int]) -> dict[int, list[int]]:
@@ -93,10 +147,19 @@ def _pieces_of(word_of_piece: Sequence[int]) -> dict[int, list[int]]:
     return out
 
 
+def word_signatures(words: Sequence[Mapping]) -> list[tuple]:
+    """What a rule may read of each word of one example (computed once, handed to :func:`feature_groups` and
+    :func:`relation_pairs`, whose rules remember their answer per signature)."""
+    return [_signature(w, words) for w in words]
+
+
 def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words: Sequence[Mapping],
-                   features: Mapping, cls_id: int, sep_id: int) -> dict[str, list[list[int]]]:
-    """kind -> list of piece-index groups (one group per qualifying word; [CLS]/[SEP] one piece each)."""
+                   features: Mapping, cls_id: int, sep_id: int, signatures: Sequence[tuple] | None = None
+                   ) -> dict[str, list[list[int]]]:
+    """kind -> list of piece-index groups (one group per qualifying word; [CLS]/[SEP] one piece each);
+    ``signatures``: :func:`word_signatures` of ``words`` (None: computed here)."""
     pieces_of = _pieces_of(word_of_piece)
+    signature = signatures if signatures is not None else word_signatures(words)
     out: dict[str, list[list[int]]] = {}
     for name, rule in features.items():
         cl = clauses(rule)
@@ -105,27 +168,32 @@ def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words
             tid = cls_id if special == "cls" else sep_id
             out[name] = [[j] for j, t in enumerate(input_ids) if t == tid]
         else:
-            out[name] = [pieces_of[w] for w in sorted(pieces_of) if word_matches(words[w], cl, words)]
+            r = _rule(rule)
+            out[name] = [pieces_of[w] for w in sorted(pieces_of) if r.matches(words[w], words, signature[w])]
     return out
 
 
-def relation_pairs(word_of_piece: Sequence[int], words: Sequence[Mapping], relation: Mapping
-                   ) -> list[tuple[list[int], list[int]]]:
-    """(source pieces, target pieces) of every linked word pair of one relation (see the package doc)."""
+def relation_pairs(word_of_piece: Sequence[int], words: Sequence[Mapping], relation: Mapping,
+                   signatures: Sequence[tuple] | None = None) -> list[tuple[list[int], list[int]]]:
+    """(source pieces, target pieces) of every linked word pair of one relation (see the package doc);
+    ``signatures``: :func:`word_signatures` of ``words`` (None: computed here)."""
     pieces_of = _pieces_of(word_of_piece)
     present = sorted(pieces_of)
-    src = [w for w in present if word_matches(words[w], relation["source"], words)]
+    signature = signatures if signatures is not None else word_signatures(words)
+    source = _rule(relation["source"])
+    target = _rule(relation["target"]) if relation.get("target") else None
+    src = [w for w in present if source.matches(words[w], words, signature[w])]
     pairs = []
     if relation.get("link", "head") == "head":
         for w in src:
             h = words[w].get("head", -1)
             if h is None or h < 0 or h not in pieces_of:
                 continue
-            if relation.get("target") and not word_matches(words[h], relation["target"], words):
+            if target is not None and not target.matches(words[h], words, signature[h]):
                 continue
             pairs.append((w, h))
     elif relation["link"] == "any":
-        tgt = [w for w in present if word_matches(words[w], relation["target"], words)]
+        tgt = [w for w in present if _rule(relation["target"]).matches(words[w], words, signature[w])]
         pairs = [(a, b) for a in src for b in tgt if a != b]
     else:
         raise ValueError(f"relation link must be 'head' or 'any', got {relation['link']!r}")

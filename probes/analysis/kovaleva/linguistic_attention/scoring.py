@@ -13,7 +13,8 @@ import torch
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.kovaleva.linguistic_attention.examples import (ExampleSelection, LabelledExample,
                                                                     glue_items, load_spacy, treebank_items)
-from probes.analysis.kovaleva.linguistic_attention.rules import KindRules, feature_groups, relation_pairs
+from probes.analysis.kovaleva.linguistic_attention.rules import (KindRules, feature_groups, relation_pairs,
+                                                                 word_signatures)
 from probes.data.glue import read_glue, task_spec
 from probes.maps import MapEngine
 from probes.maps.spans import Spans, block_max, column_reduce, positions_of, segment_max
@@ -174,8 +175,9 @@ class _ExamplePlan:
         self.has_kind = np.zeros((n, len(kinds)), dtype=bool)
         self.has_pair = np.zeros((n, len(relations)), dtype=bool)
         for k, it in enumerate(items):
+            signatures = word_signatures(it.words)
             groups = feature_groups(it.input_ids, it.word_of_piece, it.words, rules.features, tok.cls_token_id,
-                                    tok.sep_token_id)
+                                    tok.sep_token_id, signatures)
             self.group_starts[k] = len(group_span)
             for f, name in enumerate(kinds):
                 for g in groups.get(name, ()):
@@ -185,7 +187,7 @@ class _ExamplePlan:
             self.group_stops[k] = len(group_span)
             self.pair_starts[k] = len(pair_src)
             for r, rel in enumerate(relations):
-                for src, tgt in relation_pairs(it.word_of_piece, it.words, rel):
+                for src, tgt in relation_pairs(it.word_of_piece, it.words, rel, signatures):
                     pair_src.append(self.spans.add(src))
                     pair_tgt.append(self.spans.add(tgt))
                     pair_rel.append(r)
