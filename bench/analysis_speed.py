@@ -32,7 +32,8 @@ Reported: pieces (tokens) per second of wall time, the analysis's throughput ove
 thread's: with ``--threads 1`` every CPU kernel runs there; the memory sampler's thread is not counted), the CPU-s
 per 1,000 sentences (inputs) the analysis adds to bare's, split into its reductions' tensor operators (the CPU time
 inside the reducers' ``update`` and ``batch_results``, ``DepAccumulator.add_batch``, linguistic_attention's
-``batch_scores`` and the CNN's ``predict_tensor``, :func:`timed_updates`: on a GPU the device's work) and the rest, its host work
+``batch_scores``, the CNN's ``predict_tensor`` and the stacking of a batch's piece maps into one tensor
+(``probes.maps.engine.stacked_maps``), :func:`timed_updates`: on a GPU the device's work) and the rest, its host work
 (flags, batching, Python: what stays on the CPU beside a GPU), the high-water mark of the process's own anonymous
 memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
 (``torch.cuda.max_memory_allocated``). The CPU is named (:func:`probes.machine.cpu_description`) beside the numbers.
@@ -72,6 +73,7 @@ from probes.extract.settings import ExtractSettings  # noqa: E402
 from probes.data.conllu import read_conllu  # noqa: E402
 from probes.machine import cpu_description  # noqa: E402
 from probes.maps import MapEngine, pad_id_of  # noqa: E402
+from probes.maps import engine as engine_module  # noqa: E402
 from probes.maps.reducers import HeadDistances, HeadStats, Reducer  # noqa: E402
 from probes.measures.attention import Attention  # noqa: E402
 from probes.memory import AnonPeak  # noqa: E402
@@ -106,11 +108,13 @@ def timed_updates(out: dict):
     """Time (main thread's CPU) every ``update`` and ``batch_results`` of the reducers while inside: the reductions'
     tensor operators (on a GPU the device's work), so that the rest of the analysis's CPU beyond bare's is its host
     work."""
-    # the reductions: the reducers' updates, the batched scoring of dep_heads, linguistic_attention and the CNN
+    # the reductions: the reducers' updates, the batched scoring of dep_heads, linguistic_attention and the CNN, and
+    # stacking a batch's piece maps into one tensor (MapEngine.iter_piece_map_batches): the maps' device's work
     originals = {(owner, name): getattr(owner, name)
                  for owner, names in ((HeadStats, ("update", "batch_results")),
                                       (HeadDistances, ("update", "batch_results")), (DepAccumulator, ("add_batch",)),
-                                      (scoring, ("batch_scores",)), (PatternClassifier, ("predict_tensor",)))
+                                      (scoring, ("batch_scores",)), (PatternClassifier, ("predict_tensor",)),
+                                      (engine_module, ("stacked_maps",)))
                  for name in names}
 
     def timed(original):

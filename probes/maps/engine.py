@@ -102,6 +102,16 @@ def pool_layers(probs: list[torch.Tensor], from_mat: torch.Tensor, to_mat: torch
     return out
 
 
+def stacked_maps(probs: list[torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+    """L' x (B, H', T, T) piece maps of a padded batch -> (B, L', H', T, T) float32, every entry outside item b's
+    own ``lengths[b]`` rows and keys set to 0 (on the maps' device)."""
+    maps = torch.stack(probs, 1).float()  # (B, L', H', T, T)
+    T = maps.shape[-1]
+    real = torch.arange(T, device=maps.device)[None, :] < lengths[:, None]  # (B, T)
+    inside = (real[:, :, None] & real[:, None, :])[:, None, None]  # (B, 1, 1, T, T)
+    return maps.masked_fill_(~inside, 0.0)
+
+
 class MapEngine:
     """One way from encoded sentences to maps: length batches, the measure's piece maps of the chosen layers, and
     their word maps (rows pooled ``from_words``, columns ``to_words``).
@@ -371,13 +381,9 @@ class MapEngine:
         (t = ``lengths[j]``) equals :meth:`iter_piece_maps`' map of it; every entry outside it (padded rows and
         columns) is 0."""
         def step(inp, positions, its):  # inp: input_ids, attention_mask (, token_type_ids): (B, T) each
-            maps = torch.stack(self.piece_maps(inp["input_ids"], inp["attention_mask"], inp.get("token_type_ids")),
-                               1).float()  # (B, L', H', T, T)
-            T = maps.shape[-1]
-            lengths = torch.as_tensor([it.n_pieces for it in its], device=maps.device)  # (B,)
-            real = torch.arange(T, device=maps.device)[None, :] < lengths[:, None]  # (B, T)
-            inside = (real[:, :, None] & real[:, None, :])[:, None, None]  # (B, 1, 1, T, T)
-            yield list(positions), lengths, maps.masked_fill_(~inside, 0.0)
+            probs = self.piece_maps(inp["input_ids"], inp["attention_mask"], inp.get("token_type_ids"))
+            lengths = torch.as_tensor([it.n_pieces for it in its], device=probs[0].device)  # (B,)
+            yield list(positions), lengths, stacked_maps(probs, lengths)
 
         return self._iter(items, desc, progress, lambda positions, its: pad_encoded(its, self.pad_id), step)
 

@@ -75,6 +75,15 @@ class Spans:
         self._frozen = None
         return np.arange(first, first + masks.shape[0], dtype=np.int64)
 
+    def extend(self, pieces: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Append spans given back to back: span s holds the next ``lengths[s]`` of ``pieces``; returns their ids."""
+        lengths = np.asarray(lengths, dtype=np.int64)            # (S,)
+        first = len(self)
+        self._pieces.extend(np.asarray(pieces, dtype=np.int64).tolist())
+        self._starts.extend((self._starts[-1] + np.cumsum(lengths)).tolist())
+        self._frozen = None
+        return np.arange(first, first + len(lengths), dtype=np.int64)
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(pieces (P,), starts (S + 1,)) as int64 arrays."""
         if self._frozen is None:

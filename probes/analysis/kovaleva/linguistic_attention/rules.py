@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from probes.config import plain
 
 NOMINAL = ["NOUN", "PROPN", "PRON", "NUM"]
@@ -151,6 +153,26 @@ def word_signatures(words: Sequence[Mapping]) -> list[tuple]:
     """What a rule may read of each word of one example (computed once, handed to :func:`feature_groups` and
     :func:`relation_pairs`, whose rules remember their answer per signature)."""
     return [_signature(w, words) for w in words]
+
+
+def rule_matrix(words_of: Sequence[Sequence[Mapping]], rules: Sequence) -> np.ndarray:
+    """(W, len(rules)) bool: does each word of every example (``words_of``: the examples' words; W of them in all,
+    example by example) satisfy each rule (:func:`word_matches`; a ``special`` clause never matches a word). Each rule
+    is asked once per distinct word signature (:func:`word_signatures`), not once per word."""
+    ids: dict[tuple, int] = {}
+    first: list[tuple[Mapping, Sequence[Mapping]]] = []
+    sid = []
+    for words in words_of:
+        for w, sig in zip(words, word_signatures(words)):
+            u = ids.get(sig)
+            if u is None:
+                u = ids[sig] = len(first)
+                first.append((w, words))
+            sid.append(u)
+    compiled = [_compile(r) for r in rules]
+    table = np.array([[_matches(w, c, words) for c in compiled] for w, words in first],
+                     dtype=bool).reshape(len(first), len(compiled))  # (U, R) per distinct signature
+    return table[np.asarray(sid, dtype=np.int64)]  # (W, R)
 
 
 def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words: Sequence[Mapping],

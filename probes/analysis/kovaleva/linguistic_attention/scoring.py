@@ -13,11 +13,10 @@ import torch
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.kovaleva.linguistic_attention.examples import (ExampleSelection, LabelledExample,
                                                                     glue_items, load_spacy, treebank_items)
-from probes.analysis.kovaleva.linguistic_attention.rules import (KindRules, feature_groups, relation_pairs,
-                                                                 word_signatures)
+from probes.analysis.kovaleva.linguistic_attention.rules import KindRules, clauses, rule_matrix
 from probes.data.glue import read_glue, task_spec
 from probes.maps import MapEngine
-from probes.maps.spans import Spans, block_max, column_reduce, positions_of, segment_max
+from probes.maps.spans import Spans, block_max, column_reduce, concat_ranges, positions_of, segment_max
 from probes.measures.attention import Attention
 from probes.model.families import usable_max_length
 from probes.stats import resamples
@@ -159,43 +158,107 @@ class LinguisticResult:
 
 class _ExamplePlan:
     """The piece groups of every example's kinds and the (source, target) pieces of every relation pair, built
-    once per example on the host before the maps stream.
+    for all examples at once on the host before the maps stream (the groups and pairs
+    :func:`~probes.analysis.kovaleva.linguistic_attention.rules.feature_groups` and
+    :func:`~probes.analysis.kovaleva.linguistic_attention.rules.relation_pairs` give each example, in another order
+    within it).
 
     Groups: rows of (span, kind index), example ``k``'s rows ``group_starts[k]:group_stops[k]``; pairs: rows of
     (source span, target span, relation index), example ``k``'s ``pair_starts[k]:pair_stops[k]``; ``has_kind``
-    (N, K) / ``has_pair`` (N, R): whether example ``k`` has a group of a kind / a pair of a relation."""
+    (N, K) / ``has_pair`` (N, R): whether example ``k`` has a group of a kind / a pair of a relation. Spans: one
+    per word of every example (its pieces; word ``g`` of all examples' words is span ``g``), then one per special
+    piece a kind picks."""
 
     def __init__(self, items: Sequence[LabelledExample], tok, rules: KindRules):
         kinds, relations = rules.names, list(rules.relations.values())
+        n, K, R = len(items), len(kinds), len(relations)
+        n_words = np.array([len(it.words) for it in items], dtype=np.int64)  # (N,)
+        word_start = np.cumsum(n_words) - n_words  # (N,) first global word of each example
+        example_of_word = np.repeat(np.arange(n), n_words)  # (W,)
+        # every piece: its example, position and global word (-1: a special)
+        n_pieces = np.array([len(it.word_of_piece) for it in items], dtype=np.int64)  # (N,)
+        example_of_piece = np.repeat(np.arange(n), n_pieces)  # (P,)
+        position = np.arange(int(n_pieces.sum())) - np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)  # (P,)
+        wop = np.fromiter((w if w is not None else -1 for it in items for w in it.word_of_piece), np.int64,
+                          count=int(n_pieces.sum()))  # (P,)
+        real = wop >= 0
+        word = np.where(real, word_start[example_of_piece] + wop, -1)  # (P,) global word
+        count = np.bincount(word[real], minlength=int(n_words.sum()))  # (W,) pieces of each word
+        present = count > 0  # (W,) words with pieces
         self.spans = Spans()
-        group_span, group_kind, pair_src, pair_tgt, pair_rel = [], [], [], [], []
-        n = len(items)
-        self.group_starts, self.group_stops = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        self.pair_starts, self.pair_stops = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        self.has_kind = np.zeros((n, len(kinds)), dtype=bool)
-        self.has_pair = np.zeros((n, len(relations)), dtype=bool)
-        for k, it in enumerate(items):
-            signatures = word_signatures(it.words)
-            groups = feature_groups(it.input_ids, it.word_of_piece, it.words, rules.features, tok.cls_token_id,
-                                    tok.sep_token_id, signatures)
-            self.group_starts[k] = len(group_span)
-            for f, name in enumerate(kinds):
-                for g in groups.get(name, ()):
-                    group_span.append(self.spans.add(g))
-                    group_kind.append(f)
-                self.has_kind[k, f] = bool(groups.get(name))
-            self.group_stops[k] = len(group_span)
-            self.pair_starts[k] = len(pair_src)
-            for r, rel in enumerate(relations):
-                for src, tgt in relation_pairs(it.word_of_piece, it.words, rel, signatures):
-                    pair_src.append(self.spans.add(src))
-                    pair_tgt.append(self.spans.add(tgt))
-                    pair_rel.append(r)
-                    self.has_pair[k, r] = True
-            self.pair_stops[k] = len(pair_src)
-        as_ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-        self.group_span, self.group_kind = as_ids(group_span), as_ids(group_kind)
-        self.pair_src, self.pair_tgt, self.pair_rel = as_ids(pair_src), as_ids(pair_tgt), as_ids(pair_rel)
+        self.spans.extend(position[real][np.argsort(word[real], kind="stable")], count)  # span g: word g's pieces
+
+        # groups: (example, kind, span) rows
+        rules_of = [rules.features[name] for name in kinds]
+        special = [next((c["special"] for c in clauses(r) if "special" in c), None) for r in rules_of]
+        ends = [[rel["source"]] + ([rel["target"]] if rel.get("target") else []) for rel in relations]
+        every = rule_matrix([it.words for it in items], rules_of + [e for pair in ends for e in pair])
+        every &= present[:, None]  # (W, K + the relations' rules): words with pieces only
+        matches = every[:, :K]  # (W, K)
+        matches[:, [sp is not None for sp in special]] = False  # a special kind picks its special pieces only
+        g, f = np.nonzero(matches)  # word-major
+        ex, kind, span = [example_of_word[g]], [f], [g]
+        ids = np.fromiter((t for it in items for t in it.input_ids), np.int64, count=int(n_pieces.sum()))  # (P,)
+        for k_, sp in enumerate(special):
+            if sp is None:
+                continue
+            at = np.nonzero(ids == (tok.cls_token_id if sp == "cls" else tok.sep_token_id))[0]  # (m,) pieces
+            ex.append(example_of_piece[at])
+            kind.append(np.full(len(at), k_, dtype=np.int64))
+            span.append(self.spans.extend(position[at], np.ones(len(at), dtype=np.int64)))
+        ex, kind, span = (np.concatenate(x).astype(np.int64) for x in (ex, kind, span))
+        order = np.argsort(ex, kind="stable")
+        self.group_span, self.group_kind = span[order], kind[order]
+        self.group_stops = np.cumsum(np.bincount(ex, minlength=n))
+        self.group_starts = self.group_stops - np.bincount(ex, minlength=n)
+        self.has_kind = np.zeros((n, K), dtype=bool)
+        self.has_kind[ex, kind] = True
+
+        # relation pairs: (example, relation, source span, target span) rows
+        heads = np.fromiter((w.get("head", -1) if w.get("head") is not None else -1 for it in items for w in it.words),
+                            np.int64, count=int(n_words.sum()))  # (W,) local head, -1: none
+        head = np.where((heads >= 0) & (heads < n_words[example_of_word]), word_start[example_of_word] + heads, -1)
+        ex, rel, src, tgt = [], [], [], []
+        column = K
+        for r, relation in enumerate(relations):
+            link = relation.get("link", "head")
+            if link not in ("head", "any"):
+                raise ValueError(f"relation link must be 'head' or 'any', got {link!r}")
+            m = every[:, column:column + len(ends[r])]  # (W, 1 or 2) source (, target)
+            column += len(ends[r])
+            if link == "head":
+                ok = m[:, 0] & (head >= 0)
+                ok[ok] &= present[head[ok]]
+                if m.shape[1] > 1:
+                    ok[ok] &= m[head[ok], 1]
+                a = np.nonzero(ok)[0]
+                b = head[a]
+            else:
+                if m.shape[1] < 2:
+                    raise ValueError("a relation of link 'any' needs a target rule")
+                s_words, t_words = np.nonzero(m[:, 0])[0], np.nonzero(m[:, 1])[0]
+                t_count = np.bincount(example_of_word[t_words], minlength=n)  # (N,)
+                t_start = np.cumsum(t_count) - t_count
+                e = example_of_word[s_words]
+                a = np.repeat(s_words, t_count[e])
+                b = t_words[concat_ranges(t_start[e], t_start[e] + t_count[e])]
+                a, b = a[a != b], b[a != b]
+            if relation.get("reverse"):
+                a, b = b, a
+            ex.append(example_of_word[a])
+            rel.append(np.full(len(a), r, dtype=np.int64))
+            src.append(a)
+            tgt.append(b)
+        if ex:
+            ex, rel, src, tgt = (np.concatenate(x).astype(np.int64) for x in (ex, rel, src, tgt))
+        else:
+            ex = rel = src = tgt = np.zeros(0, dtype=np.int64)
+        order = np.argsort(ex, kind="stable")
+        self.pair_src, self.pair_tgt, self.pair_rel = src[order], tgt[order], rel[order]
+        self.pair_stops = np.cumsum(np.bincount(ex, minlength=n))
+        self.pair_starts = self.pair_stops - np.bincount(ex, minlength=n)
+        self.has_pair = np.zeros((n, R), dtype=bool)
+        self.has_pair[ex, rel] = True
 
 
 def batch_scores(maps: torch.Tensor, lengths: torch.Tensor, positions: Sequence[int], plan: _ExamplePlan,
