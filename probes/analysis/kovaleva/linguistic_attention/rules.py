@@ -155,24 +155,72 @@ def word_signatures(words: Sequence[Mapping]) -> list[tuple]:
     return [_signature(w, words) for w in words]
 
 
+_NO_HEAD = object()  # the head upos of a word without a head: in no rule's wanted values
+
+
 def rule_matrix(words_of: Sequence[Sequence[Mapping]], rules: Sequence) -> np.ndarray:
     """(W, len(rules)) bool: does each word of every example (``words_of``: the examples' words; W of them in all,
-    example by example) satisfy each rule (:func:`word_matches`; a ``special`` clause never matches a word). Each rule
-    is asked once per distinct word signature (:func:`word_signatures`), not once per word."""
-    ids: dict[tuple, int] = {}
-    first: list[tuple[Mapping, Sequence[Mapping]]] = []
-    sid = []
-    for words in words_of:
-        for w, sig in zip(words, word_signatures(words)):
-            u = ids.get(sig)
-            if u is None:
-                u = ids[sig] = len(first)
-                first.append((w, words))
-            sid.append(u)
-    compiled = [_compile(r) for r in rules]
-    table = np.array([[_matches(w, c, words) for c in compiled] for w, words in first],
-                     dtype=bool).reshape(len(first), len(compiled))  # (U, R) per distinct signature
-    return table[np.asarray(sid, dtype=np.int64)]  # (W, R)
+    example by example) satisfy each rule, as :func:`word_matches` (a ``special`` clause never matches a word).
+
+    Vectorised over the words: every label a rule may read (:data:`RULE_KEYS`) is coded once per word as an integer
+    (text lowercased, upos, xpos, deprel, scheme, the head's upos; the child relations as (word, code) pairs), and
+    each clause is a conjunction of ``isin`` tests on the codes."""
+    flat = [(w, words) for words in words_of for w in words]
+    W = len(flat)
+
+    def coded(values) -> tuple[np.ndarray, dict]:
+        table: dict = {}
+        return np.fromiter((table.setdefault(v, len(table)) for v in values), np.int64, count=W), table
+
+    def head_upos(w: Mapping, words: Sequence[Mapping]):
+        h = w.get("head", -1)
+        return words[h].get("upos") if h is not None and h >= 0 else _NO_HEAD
+
+    fields = {"words": coded(str(w.get("text", "")).lower() for w, _ in flat),
+              "head_upos": coded(head_upos(w, words) for w, words in flat)}
+    child_word, child_code, child_table = [], [], {}
+    for i, (w, _) in enumerate(flat):
+        for d in w.get("child_deprels", ()):
+            child_word.append(i)
+            child_code.append(child_table.setdefault(d, len(child_table)))
+    child_word, child_code = np.asarray(child_word, dtype=np.int64), np.asarray(child_code, dtype=np.int64)
+
+    def field(key: str) -> tuple[np.ndarray, dict]:
+        if key not in fields:
+            fields[key] = coded(w.get(key) for w, _ in flat)
+        return fields[key]
+
+    def isin(codes: np.ndarray, table: dict, wanted) -> np.ndarray:
+        return np.isin(codes, [table[v] for v in wanted if v in table])
+
+    def clause_mask(clause: Mapping) -> np.ndarray:
+        m = np.ones(W, dtype=bool)
+        for key, want in clause.items():
+            if key == "special":
+                return np.zeros(W, dtype=bool)  # special tokens are not words
+            if key == "scheme":
+                codes, table = field("scheme")
+                try:
+                    ok = codes == table[want] if want in table else np.zeros(W, dtype=bool)
+                except TypeError:  # an unhashable wanted value equals no word's scheme
+                    ok = np.zeros(W, dtype=bool)
+            elif key == "words":
+                ok = isin(*fields["words"], {str(x).lower() for x in want})
+            elif key == "child_deprel":
+                ok = np.zeros(W, dtype=bool)
+                ok[child_word[isin(child_code, child_table, set(want))]] = True
+            elif key == "head_upos":
+                ok = isin(*fields["head_upos"], set(want))
+            else:
+                ok = isin(*field(key), set(want))
+            m &= ok
+        return m
+
+    out = np.zeros((W, len(rules)), dtype=bool)  # (W, R)
+    for r, rule in enumerate(rules):
+        for clause in clauses(rule):
+            out[:, r] |= clause_mask(clause)
+    return out
 
 
 def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words: Sequence[Mapping],
