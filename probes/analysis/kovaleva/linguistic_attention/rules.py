@@ -61,134 +61,44 @@ def clauses(rule) -> list[dict]:
     return out
 
 
-def _compile(rule) -> list[list[tuple[str, object]]]:
-    """A kind's rule as clauses of (key, wanted) with the wanted values as sets, built once per rule (a word is
-    then checked without rebuilding them)."""
-    out = []
-    for clause in clauses(rule):
-        keys = []
-        for key, want in clause.items():
-            if key == "words":
-                want = {w.lower() for w in want}
-            elif key not in ("special", "scheme"):
-                want = set(want)
-            keys.append((key, want))
-        out.append(keys)
-    return out
-
-
-def _holds(word: Mapping, clause: list[tuple[str, object]], words: Sequence[Mapping]) -> bool:
-    for key, want in clause:
-        if key == "special":
-            return False  # special tokens are not words
-        if key == "scheme":
-            ok = word.get("scheme") == want
-        elif key == "words":
-            ok = str(word.get("text", "")).lower() in want
-        elif key == "child_deprel":
-            ok = bool(set(word.get("child_deprels", ())) & want)
-        elif key == "head_upos":
-            h = word.get("head", -1)
-            ok = h is not None and h >= 0 and words[h].get("upos") in want
-        else:
-            ok = word.get(key) in want
-        if not ok:
-            return False
-    return True
-
-
-def _matches(word: Mapping, compiled: list[list[tuple[str, object]]], words: Sequence[Mapping]) -> bool:
-    return any(_holds(word, c, words) for c in compiled)
-
-
-def _signature(word: Mapping, words: Sequence[Mapping]) -> tuple:
-    """Everything of a word that a rule may read (:data:`RULE_KEYS`): its text (lowercased), upos, xpos, deprel,
-    child relations, its head's upos, its scheme."""
-    h = word.get("head", -1)
-    return (str(word.get("text", "")).lower(), word.get("upos"), word.get("xpos"), word.get("deprel"),
-            tuple(sorted(word.get("child_deprels", ()))), words[h].get("upos") if h is not None and h >= 0 else None,
-            word.get("scheme"))
-
-
-class _Rule:
-    """A compiled rule and what it said of every word :func:`_signature` seen (the examples' words repeat)."""
-
-    def __init__(self, rule):
-        self.compiled = _compile(rule)
-        self.memo: dict[tuple, bool] = {}
-
-    def matches(self, word: Mapping, words: Sequence[Mapping], signature: tuple) -> bool:
-        hit = self.memo.get(signature)
-        if hit is None:
-            hit = self.memo[signature] = _matches(word, self.compiled, words)
-        return hit
-
-
-_RULES: dict[str, _Rule] = {}
-
-
-def _rule(rule) -> _Rule:
-    """The :class:`_Rule` of a rule (a kind's mapping or list of clauses), one per distinct rule in this process."""
-    key = repr(rule)
-    if key not in _RULES:
-        _RULES[key] = _Rule(rule)
-    return _RULES[key]
-
-
-def word_matches(word: Mapping, rule, words: Sequence[Mapping] = ()) -> bool:
-    """Does one word (dict: text, upos, xpos, deprel, head, child_deprels, scheme) satisfy a kind's rule?
-    ``words``: the example's words (for ``head_upos``)."""
-    return _matches(word, _compile(rule), words)
-
-
-def _pieces_of(word_of_piece: Sequence[int]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for j, w in enumerate(word_of_piece):
-        if w is not None and w >= 0:
-            out.setdefault(int(w), []).append(j)
-    return out
-
-
-def word_signatures(words: Sequence[Mapping]) -> list[tuple]:
-    """What a rule may read of each word of one example (computed once, handed to :func:`feature_groups` and
-    :func:`relation_pairs`, whose rules remember their answer per signature)."""
-    return [_signature(w, words) for w in words]
-
-
 _NO_HEAD = object()  # the head upos of a word without a head: in no rule's wanted values
 
 
 def rule_matrix(words_of: Sequence[Sequence[Mapping]], rules: Sequence) -> np.ndarray:
     """(W, len(rules)) bool: does each word of every example (``words_of``: the examples' words; W of them in all,
-    example by example) satisfy each rule, as :func:`word_matches` (a ``special`` clause never matches a word).
+    example by example) satisfy each rule. A rule is a list of clauses (:func:`clauses`) and holds when one clause
+    does; a clause holds when every key does: ``upos`` / ``xpos`` / ``deprel`` (the word's label is one of those
+    given), ``words`` (its text, lowercased, is one of them), ``child_deprel`` (one of its children has one of those
+    relations), ``head_upos`` (it has a head, whose upos is one of them), ``scheme`` (its label scheme equals the
+    one given); a ``special`` clause never holds for a word.
 
-    Vectorised over the words: every label a rule may read (:data:`RULE_KEYS`) is coded once per word as an integer
-    (text lowercased, upos, xpos, deprel, scheme, the head's upos; the child relations as (word, code) pairs), and
-    each clause is a conjunction of ``isin`` tests on the codes."""
+    Vectorised over the words: every label a rule reads is coded once per word as an integer (the child relations
+    as (word, code) pairs), and each clause is a conjunction of ``isin`` tests on the codes."""
     flat = [(w, words) for words in words_of for w in words]
     W = len(flat)
-
-    def coded(values) -> tuple[np.ndarray, dict]:
-        table: dict = {}
-        return np.fromiter((table.setdefault(v, len(table)) for v in values), np.int64, count=W), table
 
     def head_upos(w: Mapping, words: Sequence[Mapping]):
         h = w.get("head", -1)
         return words[h].get("upos") if h is not None and h >= 0 else _NO_HEAD
 
-    fields = {"words": coded(str(w.get("text", "")).lower() for w, _ in flat),
-              "head_upos": coded(head_upos(w, words) for w, words in flat)}
+    label = {"words": lambda w, words: str(w.get("text", "")).lower(), "head_upos": head_upos}
+    fields: dict[str, tuple[np.ndarray, dict]] = {}
+
+    def field(key: str) -> tuple[np.ndarray, dict]:
+        """(W,) the code of every word's ``key`` label, and the code of every value (coded when a rule reads it)."""
+        if key not in fields:
+            table: dict = {}
+            read = label.get(key, lambda w, words: w.get(key))
+            fields[key] = (np.fromiter((table.setdefault(read(w, words), len(table)) for w, words in flat), np.int64,
+                                       count=W), table)
+        return fields[key]
+
     child_word, child_code, child_table = [], [], {}
     for i, (w, _) in enumerate(flat):
         for d in w.get("child_deprels", ()):
             child_word.append(i)
             child_code.append(child_table.setdefault(d, len(child_table)))
     child_word, child_code = np.asarray(child_word, dtype=np.int64), np.asarray(child_code, dtype=np.int64)
-
-    def field(key: str) -> tuple[np.ndarray, dict]:
-        if key not in fields:
-            fields[key] = coded(w.get(key) for w, _ in flat)
-        return fields[key]
 
     def isin(codes: np.ndarray, table: dict, wanted) -> np.ndarray:
         return np.isin(codes, [table[v] for v in wanted if v in table])
@@ -205,13 +115,11 @@ def rule_matrix(words_of: Sequence[Sequence[Mapping]], rules: Sequence) -> np.nd
                 except TypeError:  # an unhashable wanted value equals no word's scheme
                     ok = np.zeros(W, dtype=bool)
             elif key == "words":
-                ok = isin(*fields["words"], {str(x).lower() for x in want})
+                ok = isin(*field("words"), {str(x).lower() for x in want})
             elif key == "child_deprel":
                 ok = np.zeros(W, dtype=bool)
                 ok[child_word[isin(child_code, child_table, set(want))]] = True
-            elif key == "head_upos":
-                ok = isin(*fields["head_upos"], set(want))
-            else:
+            else:  # upos, xpos, deprel, head_upos
                 ok = isin(*field(key), set(want))
             m &= ok
         return m
@@ -223,50 +131,66 @@ def rule_matrix(words_of: Sequence[Sequence[Mapping]], rules: Sequence) -> np.nd
     return out
 
 
+def word_matches(word: Mapping, rule, words: Sequence[Mapping] = ()) -> bool:
+    """Does one word (dict: text, upos, xpos, deprel, head, child_deprels, scheme) satisfy a kind's rule
+    (:func:`rule_matrix`)? ``words``: the example's words (for ``head_upos``)."""
+    at = next((k for k, w in enumerate(words) if w is word), None)
+    example = list(words) if at is not None else [*words, word]
+    return bool(rule_matrix([example], [rule])[len(words) if at is None else at, 0])
+
+
+def _pieces_of(word_of_piece: Sequence[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for j, w in enumerate(word_of_piece):
+        if w is not None and w >= 0:
+            out.setdefault(int(w), []).append(j)
+    return out
+
+
 def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words: Sequence[Mapping],
-                   features: Mapping, cls_id: int, sep_id: int, signatures: Sequence[tuple] | None = None
-                   ) -> dict[str, list[list[int]]]:
-    """kind -> list of piece-index groups (one group per qualifying word; [CLS]/[SEP] one piece each);
-    ``signatures``: :func:`word_signatures` of ``words`` (None: computed here)."""
+                   features: Mapping, cls_id: int, sep_id: int) -> dict[str, list[list[int]]]:
+    """kind -> list of piece-index groups (one group per qualifying word, :func:`rule_matrix`; [CLS]/[SEP] one piece
+    each)."""
     pieces_of = _pieces_of(word_of_piece)
-    signature = signatures if signatures is not None else word_signatures(words)
+    names = list(features)
+    matches = rule_matrix([words], [features[name] for name in names])  # (n, K)
     out: dict[str, list[list[int]]] = {}
-    for name, rule in features.items():
-        cl = clauses(rule)
-        special = next((c["special"] for c in cl if "special" in c), None)
+    for k, name in enumerate(names):
+        special = next((c["special"] for c in clauses(features[name]) if "special" in c), None)
         if special is not None:
             tid = cls_id if special == "cls" else sep_id
             out[name] = [[j] for j, t in enumerate(input_ids) if t == tid]
         else:
-            r = _rule(rule)
-            out[name] = [pieces_of[w] for w in sorted(pieces_of) if r.matches(words[w], words, signature[w])]
+            out[name] = [pieces_of[w] for w in sorted(pieces_of) if matches[w, k]]
     return out
 
 
-def relation_pairs(word_of_piece: Sequence[int], words: Sequence[Mapping], relation: Mapping,
-                   signatures: Sequence[tuple] | None = None) -> list[tuple[list[int], list[int]]]:
-    """(source pieces, target pieces) of every linked word pair of one relation (see the package doc);
-    ``signatures``: :func:`word_signatures` of ``words`` (None: computed here)."""
+def relation_pairs(word_of_piece: Sequence[int], words: Sequence[Mapping], relation: Mapping
+                   ) -> list[tuple[list[int], list[int]]]:
+    """(source pieces, target pieces) of every linked word pair of one relation (see the package doc;
+    :func:`rule_matrix`)."""
     pieces_of = _pieces_of(word_of_piece)
     present = sorted(pieces_of)
-    signature = signatures if signatures is not None else word_signatures(words)
-    source = _rule(relation["source"])
-    target = _rule(relation["target"]) if relation.get("target") else None
-    src = [w for w in present if source.matches(words[w], words, signature[w])]
+    link = relation.get("link", "head")
+    if link not in ("head", "any"):
+        raise ValueError(f"relation link must be 'head' or 'any', got {relation['link']!r}")
+    if link == "any" and not relation.get("target"):
+        raise ValueError("a relation of link 'any' needs a target rule")
+    ends = [relation["source"]] + ([relation["target"]] if relation.get("target") else [])
+    matches = rule_matrix([words], ends)  # (n, 1 or 2) source (, target)
+    src = [w for w in present if matches[w, 0]]
     pairs = []
-    if relation.get("link", "head") == "head":
+    if link == "head":
         for w in src:
             h = words[w].get("head", -1)
             if h is None or h < 0 or h not in pieces_of:
                 continue
-            if target is not None and not target.matches(words[h], words, signature[h]):
+            if len(ends) > 1 and not matches[h, 1]:
                 continue
             pairs.append((w, h))
-    elif relation["link"] == "any":
-        tgt = [w for w in present if _rule(relation["target"]).matches(words[w], words, signature[w])]
-        pairs = [(a, b) for a in src for b in tgt if a != b]
     else:
-        raise ValueError(f"relation link must be 'head' or 'any', got {relation['link']!r}")
+        tgt = [w for w in present if matches[w, 1]]
+        pairs = [(a, b) for a in src for b in tgt if a != b]
     if relation.get("reverse"):
         pairs = [(b, a) for a, b in pairs]
     return [(pieces_of[a], pieces_of[b]) for a, b in pairs]
