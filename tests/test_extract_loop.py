@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -29,18 +28,9 @@ from probes.maps import MapEngine
 from probes.measures.attention import Attention
 from probes.model.load import load_encoder
 from probes.model.tiny import tiny_folder
-from tests.conftest import ROOT, WORDS
-
-# words the tiny tokenizers split into several pieces, so that pooling over pieces matters
-LONG_WORDS = ["unbelievably", "tokenization", "reconsidered", "householders", "quickest"]
-VOCAB = WORDS + LONG_WORDS
-# 1 to 14 words: length batches of several lengths (padding); the last (and a few others) longer than MAX_LENGTH
-# pieces: skipped
-SENTS = [[VOCAB[(i * 7 + k * 3) % len(VOCAB)] for k in range(1 + i % 14)] for i in range(45)] + [LONG_WORDS * 6]
-MAX_LENGTH = 24  # pieces, specials included
-MAX_TOKENS = 96  # pieces per batch: several batches
-TRAINER = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision="32-true", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+from tests.conftest import ROOT
+from tests.loops import (MAX_LENGTH, MAX_TOKENS, SENTS, TRAINER, Boom, fail_third_call, files,
+                         worker_threads)
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +41,6 @@ def folders(tmp_path_factory):
 
 def key_for(name: str, **more) -> dict:
     return dict(encoder=name, dataset="synthetic", split="dev", **more)
-
-
-def files(entry) -> dict[str, bytes]:
-    """{file name: bytes} of a complete entry."""
-    return {p.name: p.read_bytes() for p in sorted(entry.path.iterdir())}
-
-
-def worker_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(("batches-ahead", "cache-writer"))]
 
 
 # ----------------------------------------------------------------------------- the independent plain loop
@@ -191,35 +172,15 @@ def test_write_many_writes_what_write_writes(tmp_path):
 
 
 # ----------------------------------------------------------------------------- interruptions
-class Boom(Exception):
-    pass
-
-
 @pytest.mark.parametrize("where", ["writer thread", "forward"])
 def test_an_interrupted_build_leaves_no_entry_and_the_next_is_clean(folders, tmp_path, monkeypatch, where):
     enc = load_encoder(str(folders["bert"]))
     key = key_for(enc.name)
     calls = []
     if where == "writer thread":  # a failing disk, in the third batch's write
-        write_many = cache.ShardWriter.write_many
-
-        def failing(self, items):
-            calls.append(threading.current_thread().name)
-            if len(calls) == 3:
-                raise Boom("disk gone")
-            write_many(self, items)
-
-        monkeypatch.setattr(cache.ShardWriter, "write_many", failing)
+        fail_third_call(monkeypatch, cache.ShardWriter, "write_many", Boom("disk gone"), calls)
     else:  # Ctrl-C during the third batch's forward
-        word_maps = MapEngine.word_maps
-
-        def interrupted(self, batch, *args, **kwargs):
-            calls.append(threading.current_thread().name)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return word_maps(self, batch, *args, **kwargs)
-
-        monkeypatch.setattr(MapEngine, "word_maps", interrupted)
+        fail_third_call(monkeypatch, MapEngine, "word_maps", KeyboardInterrupt, calls)
     with pytest.raises(Boom if where == "writer thread" else KeyboardInterrupt):
         extract(enc, SENTS, key, tmp_path / "a", TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS, loop="own")
     assert len(calls) == 3 and (calls[0] == "cache-writer") == (where == "writer thread")

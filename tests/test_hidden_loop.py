@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 import time
 
 import numpy as np
@@ -26,18 +25,9 @@ from probes.extract.stage import encode_split, extract, forget_splits
 from probes.model.inputs import length_batches
 from probes.model.load import load_encoder
 from probes.model.tiny import tiny_folder
-from tests.conftest import WORDS
-
-# words the tiny tokenizers split into several pieces, so that pooling over pieces matters
-LONG_WORDS = ["unbelievably", "tokenization", "reconsidered", "householders", "quickest"]
-VOCAB = WORDS + LONG_WORDS
-# 1 to 14 words: length batches of several lengths (padding); the last (and a few others) longer than MAX_LENGTH
-# pieces: skipped
-SENTS = [[VOCAB[(i * 7 + k * 3) % len(VOCAB)] for k in range(1 + i % 14)] for i in range(45)] + [LONG_WORDS * 6]
-MAX_LENGTH = 24  # pieces, specials included
-MAX_TOKENS = 96  # pieces per batch: several batches
-TRAINER = functools.partial(pl.Trainer, accelerator="cpu", devices=1, precision="32-true", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+from tests import reference
+from tests.loops import (MAX_LENGTH, MAX_TOKENS, SENTS, TRAINER, Boom, fail_third_call, files,
+                         worker_threads)
 
 
 @pytest.fixture(scope="module")
@@ -55,34 +45,7 @@ def build(enc, cache_dir, key, trainer=TRAINER, **kwargs):
     return extract_hidden(enc, SENTS, key, cache_dir, trainer, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS, **kwargs)
 
 
-def files(entry) -> dict[str, bytes]:
-    """{file name: bytes} of a complete entry."""
-    return {p.name: p.read_bytes() for p in sorted(entry.path.iterdir())}
-
-
-def worker_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(("batches-ahead", "cache-writer"))]
-
-
 # ----------------------------------------------------------------------------- the independent reference
-def word_of_pieces(offsets: list[tuple[int, int]], special: list[int], words: list[str]) -> list[int | None]:
-    """Word of every piece of the words joined by single spaces (None for a special token): the word whose
-    non-space characters the piece covers (the first such), a piece of spaces alone the next word's."""
-    owner: list[int | None] = []  # owner[c]: word of character c, None for the spaces between words
-    for k, w in enumerate(words):
-        owner += [k] * len(w) + [None]
-    out: list[int | None] = []
-    for (a, b), s in zip(offsets, special):
-        if s:
-            out.append(None)
-            continue
-        hit = [owner[c] for c in range(a, b) if owner[c] is not None]
-        if not hit:
-            hit = [next(owner[c] for c in range(b, len(owner)) if owner[c] is not None)]
-        out.append(hit[0])
-    return out
-
-
 def reference_states(folder, sentences: list[list[str]], layers: list[int], pooling: str, max_length: int
                      ) -> dict[int, np.ndarray]:
     """{sentence: (L', n, D) float32 word states} of the sentences of at most ``max_length`` pieces: the model's own
@@ -92,11 +55,10 @@ def reference_states(folder, sentences: list[list[str]], layers: list[int], pool
     model = AutoModel.from_pretrained(str(folder)).eval()
     out = {}
     for i, words in enumerate(sentences):
-        enc = tok(" ".join(words), return_offsets_mapping=True, return_special_tokens_mask=True)
-        if len(enc["input_ids"]) > max_length:
+        ids, wop = reference.text_pieces(tok, words)  # the tokenizer on the words joined by spaces
+        if len(ids) > max_length:
             continue
-        wop = word_of_pieces([tuple(o) for o in enc["offset_mapping"]], enc["special_tokens_mask"], words)
-        ids = torch.tensor([enc["input_ids"]])
+        ids = torch.tensor([ids])
         with torch.no_grad():
             hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True).hidden_states
         block = np.zeros((len(layers), len(words), hidden[0].shape[-1]), dtype=np.float32)
@@ -165,35 +127,15 @@ def test_own_loop_writes_lightnings_entry_byte_for_byte(folders, tmp_path, monke
 
 
 # ----------------------------------------------------------------------------- interruptions
-class Boom(Exception):
-    pass
-
-
 @pytest.mark.parametrize("where", ["writer thread", "forward"])
 def test_an_interrupted_build_leaves_no_entry_and_the_next_is_clean(folders, tmp_path, monkeypatch, where):
     enc = load_encoder(str(folders["bert"]))
     key = key_for(enc.name)
     calls = []
     if where == "writer thread":  # a failing disk, in the third batch's write
-        write_many = cache.ShardWriter.write_many
-
-        def failing(self, items):
-            calls.append(threading.current_thread().name)
-            if len(calls) == 3:
-                raise Boom("disk gone")
-            write_many(self, items)
-
-        monkeypatch.setattr(cache.ShardWriter, "write_many", failing)
+        fail_third_call(monkeypatch, cache.ShardWriter, "write_many", Boom("disk gone"), calls)
     else:  # Ctrl-C during the third batch's forward
-        word_states = HiddenExtractor.word_states
-
-        def interrupted(self, batch):
-            calls.append(threading.current_thread().name)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return word_states(self, batch)
-
-        monkeypatch.setattr(HiddenExtractor, "word_states", interrupted)
+        fail_third_call(monkeypatch, HiddenExtractor, "word_states", KeyboardInterrupt, calls)
     with pytest.raises(Boom if where == "writer thread" else KeyboardInterrupt):
         build(enc, tmp_path / "a", key, loop="own")
     assert len(calls) == 3 and (calls[0] == "cache-writer") == (where == "writer thread")
