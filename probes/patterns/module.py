@@ -104,18 +104,21 @@ class PatternClassifier(ProbeModule):
         return preprocess_many(maps, hp.size, hp.resize, self.channels)
 
     @torch.inference_mode()
-    def predict_maps(self, maps: Sequence[np.ndarray], batch_size: int = 512) -> np.ndarray:
-        """Class index of every (T, T) map (any sizes), in eval mode, on the module's device."""
+    def _classify(self, maps, batch_size: int, prepare) -> torch.Tensor:
+        """(M,) long class index of each of ``maps``, ``batch_size`` at a time: ``prepare`` (a chunk of maps -> its
+        network inputs), then the CNN on the module's device, in eval mode (the mode put back after)."""
         was_training = self.training
         self.eval()
-        out = []
         try:
-            for i in range(0, len(maps), batch_size):
-                x = self.preprocess(maps[i:i + batch_size]).to(self.device)
-                out.append(self(x).argmax(1).cpu())
+            out = [self(prepare(maps[i:i + batch_size]).to(self.device)).argmax(1)
+                   for i in range(0, len(maps), batch_size)]
         finally:
             self.train(was_training)
-        return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def predict_maps(self, maps: Sequence[np.ndarray], batch_size: int = 512) -> np.ndarray:
+        """Class index of every (T, T) map (any sizes), in eval mode, on the module's device."""
+        return self._classify(maps, batch_size, self.preprocess).cpu().numpy()
 
     def preprocess_tensor(self, maps: torch.Tensor) -> torch.Tensor:
         """(M, C, size, size) network inputs of M equal-size (M, T, T) maps (a tensor on any device), on their
@@ -123,7 +126,6 @@ class PatternClassifier(ProbeModule):
         hp = self.hparams
         return preprocess(maps, hp.size, hp.resize, self.channels)
 
-    @torch.inference_mode()
     def predict_tensor(self, maps: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
         """(M,) long class index of each of M equal-size (M, T, T) maps (a tensor, float32), in eval mode:
         preprocessed where the maps are (:meth:`preprocess_tensor`), ``batch_size`` maps at a time (None:
@@ -133,14 +135,7 @@ class PatternClassifier(ProbeModule):
             raise ValueError(f"expected (M, T, T) maps, got {tuple(maps.shape)}")
         if batch_size is None:
             batch_size = CPU_BATCH_MAPS if self.device.type == "cpu" else DEVICE_BATCH_MAPS
-        was_training = self.training
-        self.eval()
-        try:
-            out = [self(self.preprocess_tensor(maps[i:i + batch_size]).to(self.device)).argmax(1)
-                   for i in range(0, len(maps), batch_size)]
-        finally:
-            self.train(was_training)
-        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=self.device)
+        return self._classify(maps, batch_size, self.preprocess_tensor)
 
     def predict_labels(self, maps: Sequence[np.ndarray], batch_size: int = 512) -> list[str]:
         """Class name of every (T, T) map (:meth:`predict_maps`)."""
