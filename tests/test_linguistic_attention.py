@@ -358,3 +358,19 @@ def test_glue_source_alignment():
     words = [it.words[w]["text"] for w in it.word_of_piece if w >= 0]
     assert words[0] == "The" and "Unbelievably" in words and words.count("Unbelievably") >= 2
     assert any(it.words[w]["text"] == "n't" for w in it.word_of_piece if w >= 0)
+
+
+@pytest.mark.parametrize("relation, message", [
+    ({"source": KOVALEVA_FEATURES["nouns"], "link": "any"}, "analysis.relations.bad: a relation of link 'any' needs"),
+    ({"source": KOVALEVA_FEATURES["nouns"], "link": "child"}, "analysis.relations.bad.link must be 'head' or 'any'"),
+    ({"target": KOVALEVA_FEATURES["nouns"]}, "analysis.relations.bad: no source rule"),
+    ({"source": [{"lemma": ["be"]}]}, "unknown rule key"),
+])
+def test_a_bad_relation_is_refused_before_the_model_loads(relation, message, monkeypatch):
+    """A misconfigured relation is refused by the rules (the first step of the analysis), naming its key; no
+    encoder is loaded."""
+    from probes.analysis.kovaleva import linguistic_attention as LA
+
+    monkeypatch.setattr(LA, "compute", lambda *a, **k: pytest.fail("the analysis went on to compute"))
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        LA.linguistic_attention(None, source="treebank", relations={"bad": relation})

@@ -3,7 +3,7 @@
 
 The reference is independent of the batching under test: each example's inputs are the model's own tokenizer on
 the raw text (a sentence, or a pair in the tokenizer's pair form), one eager forward with ``output_attentions=True``
-per example, and every head's map classified alone by ``predict_maps`` (preprocessed on the host). Batches are
+per example, and every head's map classified alone (preprocessed on the host, the CNN's plain eval-mode forward). Batches are
 small, hold examples of different lengths (padding) and examples of the same length (classified together). The
 tiny random models' queries and keys are scaled up (in both models alike) so that their maps are peaked and the
 classes vary from head to head.
@@ -81,17 +81,19 @@ def _examples(pairs: bool) -> list:
 
 
 def _reference(eager, tok, classifier, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(N, L, H) classes by a plain loop: the tokenizer on each raw text, one eager forward, each map alone through
-    ``predict_maps``; with each map's runner-up class and the margin of its two best logits."""
+    """(N, L, H) classes by a plain loop: the tokenizer on each raw text, one eager forward, each map alone
+    preprocessed on the host and through the CNN's own eval-mode forward; with each map's runner-up class and the
+    margin of its two best logits."""
     sentences = [SimpleNamespace(words=t.split(), doc_id=f"d{n}")
                  for n, e in enumerate(examples) for t in (e.text_a, e.text_b) if t is not None]
     classes, second, margin = [], [], []
     for inputs, _, _ in reference.reference_inputs(tok, sentences, pairs=examples[0].text_b is not None):
         att = reference.eager_maps(eager, inputs).astype(np.float32)  # (L, H, T, T)
         L, H = att.shape[:2]
-        classes.append([[int(classifier.predict_maps([att[l, h]])[0]) for h in range(H)] for l in range(L)])
-        with torch.no_grad():
-            top = classifier(classifier.preprocess(list(att.reshape(L * H, *att.shape[2:])))).topk(2, 1)
+        with torch.no_grad():  # the plain eval-mode network (not the fused one the code under test runs)
+            top = torch.stack([classifier.net(classifier.preprocess([att[l, h]]))[0]
+                               for l in range(L) for h in range(H)]).topk(2, 1)  # (L * H, 2)
+        classes.append(top.indices[:, 0].reshape(L, H).numpy())
         second.append(top.indices[:, 1].reshape(L, H).numpy())
         margin.append((top.values[:, 0] - top.values[:, 1]).reshape(L, H).numpy())
     return np.array(classes), np.array(second), np.array(margin)
@@ -136,3 +138,33 @@ def test_predict_tensor_equals_predict_maps(classifier):
         assert torch.equal(classifier.preprocess_tensor(maps), classifier.preprocess(list(maps.numpy())))
     assert classifier.predict_tensor(torch.zeros(0, 4, 4)).shape == (0,)
     assert set(classifier.classes) == set(CLASSES)
+
+
+def test_inference_net_is_the_eval_forward():
+    """The fused network (BatchNorm folded into the convs, ReLU after the pool, channels-last) gives the logits of
+    the plain eval-mode forward to rounding, with non-trivial BatchNorm statistics; building it leaves the module
+    in its mode; the classifier builds it again when a weight changes, and its classes follow."""
+    torch.manual_seed(1)
+    m = PatternClassifier(channels=("max", "sqrt"), class_weighting="none")
+    with torch.no_grad():
+        for bn in (x for x in m.net.modules() if isinstance(x, torch.nn.BatchNorm2d)):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.2, 3.0)
+            bn.weight.normal_()  # negative scales too: the pool then sees a decreasing map
+            bn.bias.normal_()
+    m.train()
+    x = m.preprocess_tensor(torch.softmax(4 * torch.randn(40, 19, 19), -1))  # (40, 2, 32, 32)
+    net = m.net.inference_net()
+    assert m.training and all(x.training for x in m.net.modules())
+    with torch.no_grad():
+        want = m.net.eval()(x)  # (40, 5) the plain eval-mode forward
+        m.train()
+        got = net(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want.argmax(1), torch.zeros(40, dtype=torch.long))  # classes vary: not trivial
+    maps = torch.softmax(4 * torch.randn(40, 19, 19), -1)  # (40, 19, 19)
+    before = m.predict_tensor(maps)
+    assert m.training and m.inference_net() is m.inference_net()  # built once while nothing changes
+    with torch.no_grad():
+        m.net.head[-1].bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 100.0]))  # in place: the version changes
+    assert torch.equal(m.predict_tensor(maps), torch.full((40,), 4)) and not torch.equal(before, torch.full((40,), 4))

@@ -226,5 +226,16 @@ class KindRules:
             features = sets[feature_set]
         features = {k: clauses(v) for k, v in plain(features).items()}
         rels = {k: dict(v) for k, v in (plain(relations) if relations is not None else KOVALEVA_RELATIONS).items()}
+        for name, rel in rels.items():  # refused here, before any model is loaded
+            where = f"analysis.relations.{name}"
+            if "source" not in rel:
+                raise ValueError(f"{where}: no source rule")
+            if rel.get("link", "head") not in ("head", "any"):
+                raise ValueError(f"{where}.link must be 'head' or 'any', got {rel['link']!r}")
+            if rel.get("link", "head") == "any" and not rel.get("target"):
+                raise ValueError(f"{where}: a relation of link 'any' needs a target rule")
+            for end in ("source", "target"):
+                if rel.get(end):
+                    clauses(rel[end])  # unknown rule keys
         miss = {f: (plain(missing_by_feature) or {}).get(f, missing) for f in features}
         return cls(feature_set, features, rels, piece_pooling, miss, relation_missing)
