@@ -44,7 +44,8 @@ def word_map_batches(cache, indices: Sequence[int], n_words: Sequence[int], devi
         budget_mb = BATCH_MIB.get(device.type, BATCH_MIB["cuda"])
     if not order:
         return
-    L, H = np.shape(cache[order[0]])[:2]
+    first = cache[order[0]]  # (L, H, W, W) read once: its shape, then its block
+    L, H = np.shape(first)[:2]
     per_side2 = 4 * L * H  # float32 bytes per W^2 of one entry
     with tqdm(total=len(order), desc=desc, unit="sent", disable=None if progress else True) as bar:
         start = 0
@@ -57,7 +58,7 @@ def word_map_batches(cache, indices: Sequence[int], n_words: Sequence[int], devi
             W = words[batch[-1]] + 2
             host = np.zeros((len(batch), L, H, W, W), dtype=np.float16)  # (B, L, H, W, W)
             for b, i in enumerate(batch):
-                m = cache[i]  # (L, H, W_i, W_i)
+                m = first if i == order[0] else cache[i]  # (L, H, W_i, W_i)
                 if m.shape[-1] != words[i] + 2:
                     raise ValueError(f"cache {getattr(cache, 'path', '')}: entry {i} has word maps of side "
                                      f"{m.shape[-1]}, expected {words[i] + 2} for its {words[i]} words (the cache was "
