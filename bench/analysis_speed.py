@@ -31,11 +31,15 @@ For each analysis, in alternation for ``--rounds`` rounds (the best of each kept
 Reported: pieces (tokens) per second of wall time, the analysis's throughput over bare's, CPU seconds (the main
 thread's: with ``--threads 1`` every CPU kernel runs there; the memory sampler's thread is not counted), the CPU-s
 per 1,000 sentences (inputs) the analysis adds to bare's, split into its reductions' tensor operators (the CPU time
-inside the reducers' ``update`` and ``batch_results``, ``DepAccumulator.add_batch``, linguistic_attention's
-``batch_scores``, the CNN's ``predict_tensor`` and the stacking of a batch's piece maps into one tensor
-(``probes.maps.engine.stacked_maps``), :func:`timed_updates`: on a GPU the device's work) and the rest, its host work
-(flags, batching, Python: what stays on the CPU beside a GPU), the high-water mark of the process's own anonymous
-memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
+inside the reducers' ``start``, ``update`` and ``batch_results``, ``DepAccumulator.add_batch``,
+linguistic_attention's ``batch_scores``, pattern_types' ``classify_batch`` (the CNN on a batch's length groups) and
+the stacking of a batch's piece maps into one tensor (``probes.maps.engine.stacked_maps``), :func:`timed_updates`:
+on a GPU the device's work) and the rest, its host work (flags, batching, Python: what stays on the CPU beside a
+GPU). The host work is given twice: as that rest (the analysis's CPU less bare's and the reductions: the forward's
+variation between the two runs, a few tenths of a CPU-s, in it) and outside the forwards, each run's own
+(:func:`host_outside_forward`: a run's CPU less the time inside the model's forwards, ``Attention.reduce`` and
+``layer_maps``, and less its reductions; the analysis's less bare's). Also the high-water mark of the process's own
+anonymous memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
 (``torch.cuda.max_memory_allocated``). The CPU is named (:func:`probes.machine.cpu_description`) beside the numbers.
 """
 
@@ -107,32 +111,52 @@ class Nothing(Reducer):
 def timed_updates(out: dict):
     """Time (main thread's CPU) every ``update`` and ``batch_results`` of the reducers while inside: the reductions'
     tensor operators (on a GPU the device's work), so that the rest of the analysis's CPU beyond bare's is its host
-    work."""
-    # the reductions: the reducers' updates, the batched scoring of dep_heads, linguistic_attention and the CNN, and
-    # stacking a batch's piece maps into one tensor (MapEngine.iter_piece_map_batches): the maps' device's work
-    originals = {(owner, name): getattr(owner, name)
-                 for owner, names in ((HeadStats, ("update", "batch_results")),
-                                      (HeadDistances, ("update", "batch_results")), (DepAccumulator, ("add_batch",)),
-                                      (scoring, ("batch_scores",)), (PatternClassifier, ("predict_tensor",)),
-                                      (engine_module, ("stacked_maps",)))
-                 for name in names}
+    work. Also the forwards (``Attention.reduce`` and ``layer_maps``: the model's forward with the reducers' updates
+    inside it) and the reductions inside them, so that the host work outside the forward can be read off each run
+    without the forward's own variation between runs (:func:`host_outside_forward`)."""
+    # the reductions: the reducers' starts (their masks and initial maps) and updates, the batched scoring of
+    # dep_heads, linguistic_attention and the CNN (a batch's length groups gathered and classified), and stacking a
+    # batch's piece maps into one tensor (MapEngine.iter_piece_map_batches): the maps' device's work
+    reductions = {(owner, name): getattr(owner, name)
+                  for owner, names in ((HeadStats, ("start", "update", "batch_results")),
+                                       (HeadDistances, ("start", "update", "batch_results")),
+                                       (DepAccumulator, ("add_batch",)), (scoring, ("batch_scores",)),
+                                       (pattern_types, ("classify_batch",)), (engine_module, ("stacked_maps",)))
+                  for name in names}
+    forwards = {(Attention, name): getattr(Attention, name) for name in ("reduce", "layer_maps")}
+    inside = [0]  # depth of forward calls
 
-    def timed(original):
-        def update(*args, **kwargs):
+    def timed(original, forward: bool):
+        def call(*args, **kwargs):
             t = time.thread_time()
+            inside[0] += forward
             try:
                 return original(*args, **kwargs)
             finally:
-                out["reductions_cpu_s"] = out.get("reductions_cpu_s", 0.0) + time.thread_time() - t
-        return update
+                inside[0] -= forward
+                spent = time.thread_time() - t
+                if forward:
+                    out["forward_cpu_s"] = out.get("forward_cpu_s", 0.0) + spent
+                else:
+                    out["reductions_cpu_s"] = out.get("reductions_cpu_s", 0.0) + spent
+                    if inside[0]:
+                        out["reductions_in_forward_cpu_s"] = out.get("reductions_in_forward_cpu_s", 0.0) + spent
+        return call
 
-    for (owner, name), original in originals.items():
-        setattr(owner, name, timed(original))
+    originals = {**{k: (v, False) for k, v in reductions.items()}, **{k: (v, True) for k, v in forwards.items()}}
+    for (owner, name), (original, forward) in originals.items():
+        setattr(owner, name, timed(original, forward))
     try:
         yield
     finally:
-        for (owner, name), original in originals.items():
+        for (owner, name), (original, _) in originals.items():
             setattr(owner, name, original)
+
+
+def host_outside_forward(m: dict) -> float:
+    """A run's CPU-s outside the model's forward and the reductions: its host work (and, for bare, the engine's own)."""
+    forward = m.get("forward_cpu_s", 0.0) - m.get("reductions_in_forward_cpu_s", 0.0)
+    return m["cpu_s"] - forward - m.get("reductions_cpu_s", 0.0)
 
 
 @contextlib.contextmanager
@@ -174,14 +198,21 @@ def linguistic_rules() -> KindRules:
     return KindRules.from_config(**{k: v for k, v in node.items() if k in RULE_ARGS})
 
 
+@functools.lru_cache(maxsize=1)
+def bench_classifier() -> PatternClassifier:
+    """A pattern CNN of the default shape, random weights (the work of a trained one), built once, as the analysis
+    loads its classifier once."""
+    torch.manual_seed(0)
+    return PatternClassifier(class_weighting="none").eval()
+
+
 def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_batch_size: int, cached=None):
     if analysis == "dep_heads":  # the scoring of the cached word maps (the cache built before)
         cache, sentences = cached
         return dep_heads.evaluate(cache, sentences, cache.num_layers, cache.num_heads, progress=False,
                                   causal=is_causal(enc), device=device).count
     if analysis == "pattern_types":  # a CNN of the default shape, random weights: the same work as a trained one
-        classifier = PatternClassifier(class_weighting="none").eval()
-        return pattern_types.head_predictions(classifier, enc.model, items, device, max_tokens, progress=False,
+        return pattern_types.head_predictions(bench_classifier(), enc.model, items, device, max_tokens, progress=False,
                                               pad_id=pad_id_of(enc.tokenizer))
     if analysis == "linguistic_attention":  # the paper's token kinds and relations on gold UD labels
         return scoring._run_one(argparse.Namespace(device=device), items, enc.model, enc.tokenizer, linguistic_rules(),
@@ -254,6 +285,8 @@ def main(argv=None) -> dict:
             items, n_sentences = inputs_of(analysis, enc, sentences)
             if analysis == "linguistic_attention":
                 linguistic_rules()  # composed before the rounds
+            if analysis == "pattern_types":
+                bench_classifier().inference_net()  # built before the rounds
             cached = (build_cache(enc, path, len(sentences), args.precision, Path(tmp))
                       if analysis in CACHED else None)
             encoded = [getattr(e, "encoded", e) for e in items]  # (linguistic_attention's examples: their encoding)
@@ -264,14 +297,18 @@ def main(argv=None) -> dict:
                 for which in ("bare", analysis):
                     m: dict = {}
                     with measured(m, args.device):
-                        if which == "bare":
-                            run_bare(enc, encoded, args.device, **kw)
-                        else:
-                            with timed_updates(m):
+                        with timed_updates(m):
+                            if which == "bare":
+                                run_bare(enc, encoded, args.device, **kw)
+                            else:
                                 run_analysis(analysis, enc, items, args.device, **kw, cached=cached)
+                    if (which == "bare" or analysis not in CACHED) and not m.get("forward_cpu_s"):
+                        raise RuntimeError(f"{which}: no forward was timed (Attention.reduce / layer_maps not called)")
                     if which not in best or m["cpu_s"] < best[which]["cpu_s"]:
                         best[which] = m
             bare, mine = best["bare"], best[analysis]
+            # host work outside the forward, each run's own (no forward's variation between runs in it)
+            direct = host_outside_forward(mine) - (0.0 if analysis in CACHED else host_outside_forward(bare))
             if analysis in CACHED:  # the scoring alone was timed: the analysis is the extraction's maps + it
                 mine = dict(mine, seconds=bare["seconds"] + mine["seconds"], cpu_s=bare["cpu_s"] + mine["cpu_s"],
                             scoring_seconds=mine["seconds"], scoring_cpu_s=mine["cpu_s"])
@@ -283,7 +320,8 @@ def main(argv=None) -> dict:
                        extra_cpu_s_per_1000=round((mine["cpu_s"] - bare["cpu_s"]) / n_sentences * 1000, 3),
                        reductions_cpu_s_per_1000=round(mine.get("reductions_cpu_s", 0.0) / n_sentences * 1000, 3),
                        host_cpu_s_per_1000=round((mine["cpu_s"] - bare["cpu_s"] - mine.get("reductions_cpu_s", 0.0))
-                                                 / n_sentences * 1000, 3))
+                                                 / n_sentences * 1000, 3),
+                       host_outside_forward_cpu_s_per_1000=round(direct / n_sentences * 1000, 3))
             results["analyses"][analysis] = row
             print(f"{analysis}: {len(items)} inputs ({n_sentences} sentences, {pieces} pieces); bare "
                   f"{row['bare']['tokens_per_s']} tok/s ({bare['cpu_s']:.2f} CPU-s, anon peak "
@@ -291,7 +329,8 @@ def main(argv=None) -> dict:
                   f"({mine['cpu_s']:.2f} CPU-s, anon peak {mine['anon_peak_mib']} MiB): throughput "
                   f"{row['throughput_ratio']:.1%} of bare (CPU {row['cpu_ratio']:.1%}), "
                   f"{row['extra_cpu_s_per_1000']:+} CPU-s per 1,000 sentences: reductions' tensor operators "
-                  f"{row['reductions_cpu_s_per_1000']}, host work {row['host_cpu_s_per_1000']:+}" + (f"; GPU peak {mine.get('gpu_peak_gib')} GiB"
+                  f"{row['reductions_cpu_s_per_1000']}, host work {row['host_cpu_s_per_1000']:+} (outside the "
+                  f"forwards, each run's own: {row['host_outside_forward_cpu_s_per_1000']:+})" + (f"; GPU peak {mine.get('gpu_peak_gib')} GiB"
                                                       if args.device == "cuda" else ""), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

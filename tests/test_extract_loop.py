@@ -28,6 +28,7 @@ from probes.maps import MapEngine
 from probes.measures.attention import Attention
 from probes.model.load import load_encoder
 from probes.model.tiny import tiny_folder
+from tests import reference
 from tests.conftest import ROOT
 from tests.loops import (MAX_LENGTH, MAX_TOKENS, SENTS, TRAINER, Boom, fail_third_call, files,
                          worker_threads)
@@ -44,34 +45,12 @@ def key_for(name: str, **more) -> dict:
 
 
 # ----------------------------------------------------------------------------- the independent plain loop
-def word_of_pieces(offsets: list[tuple[int, int]], text: str, n_words: int) -> list[int]:
-    """Word of every piece of ``text`` (words joined by single spaces): -1 for a special before the words (no
-    characters, first), ``n_words`` for one after them; a piece belongs to the word holding its first non-space
-    character."""
-    starts = [k for k, c in enumerate(text) if c != " " and (k == 0 or text[k - 1] == " ")]
-    word_at = []
-    for k in range(len(text)):
-        w = -1
-        for j, s in enumerate(starts):
-            if s <= k:
-                w = j
-        word_at.append(w)
-    out, seen_word = [], False
-    for a, e in offsets:
-        chars = [k for k in range(a, e) if text[k] != " "]
-        if not chars:  # a special token
-            out.append(n_words if seen_word else -1)
-            continue
-        out.append(word_at[chars[0]])
-        seen_word = True
-    return out
-
-
 def plain_entry(folder, sentences: list[list[str]], max_length: int, batch_size: int = 7) -> dict[int, np.ndarray]:
     """{sentence: (L, H, W, W) float32 word maps} of the sentences of at most ``max_length`` pieces: the model's
     tokenizer on the words joined by spaces, padded batches of ``batch_size`` through a plain eager transformers
-    model with ``output_attentions``, rows averaged and columns summed over each word's pieces by loops (W = words
-    + 2: the first special, the words, the last special)."""
+    model with ``output_attentions``, rows averaged and columns summed over each word's pieces by loops
+    (``tests.reference``: the words of the pieces and the pooling; W = words + 2: the first special, the words, the
+    last special)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -81,23 +60,15 @@ def plain_entry(folder, sentences: list[list[str]], max_length: int, batch_size:
     out = {}
     for b in range(0, len(keep), batch_size):
         ids = keep[b:b + batch_size]
-        enc = tok([texts[i] for i in ids], padding=True, return_offsets_mapping=True, return_tensors="pt")
-        offsets = enc.pop("offset_mapping")
+        enc = tok([texts[i] for i in ids], padding=True, return_tensors="pt")
         with torch.no_grad():
             attn = torch.stack(model(**enc, output_attentions=True).attentions, 1)  # (B, L, H, T, T)
         for k, i in enumerate(ids):
             T = int(enc["attention_mask"][k].sum())  # right padding: the first T positions are real
-            n = len(sentences[i])
-            wop = word_of_pieces([tuple(o) for o in offsets[k, :T].tolist()], texts[i], n)
-            a = attn[k, :, :, :T, :T].numpy()  # (L, H, T, T)
-            L, H = a.shape[:2]
-            pieces = [[t for t in range(T) if wop[t] == w] for w in range(-1, n + 1)]  # W groups, in row order
-            m = np.zeros((L, H, n + 2, n + 2), dtype=np.float32)
-            for r, rows in enumerate(pieces):
-                for c, cols in enumerate(pieces):
-                    if rows and cols:
-                        m[:, :, r, c] = sum(a[:, :, p, q] for p in rows for q in cols) / len(rows)
-            out[i] = m
+            own, wids = reference.text_pieces(tok, sentences[i])  # the sentence's pieces alone, their words
+            assert enc["input_ids"][k, :T].tolist() == own
+            groups = reference.word_groups(wids, len(sentences[i]))  # W groups: first special, words, last special
+            out[i] = reference.pool_by_loops(attn[k, :, :, :T, :T].numpy(), groups).astype(np.float32)
     return out
 
 

@@ -374,3 +374,34 @@ def test_a_bad_relation_is_refused_before_the_model_loads(relation, message, mon
     monkeypatch.setattr(LA, "compute", lambda *a, **k: pytest.fail("the analysis went on to compute"))
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         LA.linguistic_attention(None, source="treebank", relations={"bad": relation})
+
+
+def test_add_batch_is_one_add_per_example():
+    """A batch of examples (scores of every kind, which kinds each has, [CLS] rows, indices out of order) kept as
+    the same examples added one at a time: per-example scores and indices, counts, means, [CLS]-row means."""
+    rng = np.random.default_rng(0)
+    N, L, H = 9, 2, 3
+    feats = ["nouns", "negation", "pronouns"]
+    missing = {"nouns": "zero", "negation": "skip", "pronouns": "zero"}
+    scores, cls = rng.random((N, 3, L, H)), rng.random((N, 3, L, H))
+    has = rng.random((N, 3)) < 0.5
+    has[:, 2] = False  # a kind no example has
+    index = rng.permutation(N) + 10
+    one, batch = FeatureAccumulator(feats, missing), FeatureAccumulator(feats, missing)
+    for n in range(N):
+        one.add({f: (scores[n, i], cls[n, i]) for i, f in enumerate(feats) if has[n, i]}, index=int(index[n]))
+    batch.add_batch(scores[:4], has[:4], cls[:4], index[:4])
+    batch.add_batch(scores[4:], has[4:], cls[4:], index[4:])
+    assert batch.n_examples == one.n_examples == N and batch.count == one.count
+    assert batch.present == one.present == {"nouns": int(has[:, 0].sum()), "negation": int(has[:, 1].sum()),
+                                            "pronouns": 0}
+    for f in feats:
+        for a, b in zip(batch.per_example(f), one.per_example(f)):
+            np.testing.assert_array_equal(a, b)
+        if has[:, feats.index(f)].any():
+            np.testing.assert_array_equal(batch.cls_mean(f), one.cls_mean(f))
+        else:
+            assert batch.cls_mean(f) is one.cls_mean(f) is None
+    assert np.allclose(batch.mean("pronouns"), 0.0)  # absent everywhere, counted as 0
+    with pytest.raises(ValueError, match="expected scores"):
+        batch.add_batch(scores[:, :2], has[:, :2])

@@ -98,18 +98,25 @@ def head_predictions(classifier, model, items: list[Encoded], device: str = "cpu
     engine = MapEngine(model, Attention(), pad_id=pad_id, device=device, max_tokens=max_tokens, max_batch_size=64,
                        max_pairs=None)
     for positions, lengths, maps in engine.iter_piece_map_batches(items, desc=desc, progress=progress):
-        B, L, H = maps.shape[:3]  # maps: (B, L, H, T, T)
         if pred is None:
-            pred = np.zeros((len(items), L, H), dtype=np.int16)
-        classes = torch.empty(B, L, H, dtype=torch.long, device=maps.device)
-        for t in torch.unique(lengths).tolist():  # each distinct length of the batch, not each sentence
-            idx = (lengths == t).nonzero().squeeze(1)  # (G,) the batch's sentences of t pieces
-            group = maps[:, :, :, :t, :t].index_select(0, idx).reshape(-1, t, t)  # (G * L * H, t, t)
-            classes[idx] = classifier.predict_tensor(group).to(maps.device).view(-1, L, H)
-        pred[positions] = classes.cpu().numpy()
+            pred = np.zeros((len(items), *maps.shape[1:3]), dtype=np.int16)
+        pred[positions] = classify_batch(classifier, maps, lengths).cpu().numpy()
     if pred is None:
         raise ValueError("no example to classify (all filtered by length?)")
     return pred
+
+
+def classify_batch(classifier, maps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, L, H) long class of every head's map of a padded batch, on the maps' device: maps (B, L, H, T, T), the
+    sentence b's at ``[b, :, :, :lengths[b], :lengths[b]]``; the sentences of each distinct length classified
+    together (:meth:`~probes.patterns.module.PatternClassifier.predict_tensor`)."""
+    B, L, H = maps.shape[:3]
+    classes = torch.empty(B, L, H, dtype=torch.long, device=maps.device)  # (B, L, H)
+    for t in torch.unique(lengths).tolist():  # each distinct length of the batch, not each sentence
+        idx = (lengths == t).nonzero().squeeze(1)  # (G,) the batch's sentences of t pieces
+        group = maps[:, :, :, :t, :t].index_select(0, idx).reshape(-1, t, t)  # (G * L * H, t, t)
+        classes[idx] = classifier.predict_tensor(group).to(maps.device).view(-1, L, H)
+    return classes
 
 
 def count_predictions(pred: np.ndarray, n_classes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -54,7 +54,8 @@ def pair_scores(attn: np.ndarray, pairs: Sequence[tuple[list[int], list[int]]]) 
 
 class FeatureAccumulator:
     """Per kind, the (L, H) scores of every counted example (``missing``: zero -> an example without the
-    kind counts 0; skip -> it is left out); [CLS]-row scores only over examples that have the kind."""
+    kind counts 0; skip -> it is left out); [CLS]-row scores only over examples that have the kind. Examples come
+    one at a time (:meth:`add`) or as a batch (:meth:`add_batch`); both keep them in the order they came."""
 
     def __init__(self, features: Sequence[str], missing: Mapping[str, str] | str = "skip"):
         self.features = list(features)
@@ -62,9 +63,12 @@ class FeatureAccumulator:
         for f, m in self.missing.items():
             if m not in ("zero", "skip"):
                 raise ValueError(f"missing must be 'zero' or 'skip' (kind {f}), got {m!r}")
-        self.scores: dict[str, list[np.ndarray]] = {f: [] for f in self.features}   # each (L, H)
-        self.index: dict[str, list[int]] = {f: [] for f in self.features}
-        self.cls_scores: dict[str, list[np.ndarray]] = {f: [] for f in self.features}
+        # per kind, chunks of counted examples: (n, L, H) float64 scores, or an int: n examples scored 0 before the
+        # shape was known; (n,) their indices; (m, L, H) [CLS]-row scores of those that have the kind
+        self._scores: dict[str, list[np.ndarray | int]] = {f: [] for f in self.features}
+        self._index: dict[str, list[np.ndarray]] = {f: [] for f in self.features}
+        self._cls: dict[str, list[np.ndarray]] = {f: [] for f in self.features}
+        self.present = {f: 0 for f in self.features}  # kind -> examples that have it
         self.n_examples = 0
         self.shape = None
 
@@ -77,26 +81,58 @@ class FeatureAccumulator:
             s = scores.get(f)
             r, c = (s if isinstance(s, tuple) else (s, None)) if s is not None else (None, None)
             if r is not None:
-                self.shape = r.shape
-                self.scores[f].append(np.asarray(r, dtype=np.float64))
-                self.index[f].append(k)
+                self.shape = np.shape(r)
+                self._keep(f, np.asarray(r, dtype=np.float64)[None], np.array([k]))
                 if c is not None:
-                    self.cls_scores[f].append(np.asarray(c, dtype=np.float64))
+                    self._cls[f].append(np.asarray(c, dtype=np.float64)[None])
             elif self.missing[f] == "zero":
-                self.scores[f].append(None)   # filled with zeros once the shape is known
-                self.index[f].append(k)
+                self._keep(f, 1, np.array([k]), present=False)
+
+    def add_batch(self, scores: np.ndarray, has: np.ndarray, cls: np.ndarray | None = None,
+                  index: np.ndarray | None = None) -> None:
+        """N examples at once, as N calls of :meth:`add`: ``scores`` (N, F, L, H) of the F kinds in
+        :attr:`features` order, ``has`` (N, F) bool (False: the example lacks the kind, its scores unread),
+        ``cls`` (N, F, L, H) [CLS]-row scores or None, ``index`` (N,) the examples' indices (None: the next N)."""
+        N, F = has.shape
+        if scores.shape[:2] != (N, F) or F != len(self.features):
+            raise ValueError(f"expected scores (N, {len(self.features)}, L, H) and has (N, {len(self.features)}), "
+                             f"got {scores.shape} and {has.shape}")
+        index = np.arange(self.n_examples, self.n_examples + N) if index is None else np.asarray(index)
+        self.n_examples += N
+        if N == 0:
+            return
+        self.shape = scores.shape[2:]
+        for i, f in enumerate(self.features):
+            h = has[:, i]  # (N,)
+            if self.missing[f] == "zero":  # every example, 0 where the kind is absent
+                self._keep(f, np.where(h[:, None, None], scores[:, i], 0.0).astype(np.float64), index,
+                           present=int(h.sum()))
+            elif h.any():
+                self._keep(f, scores[h, i].astype(np.float64), index[h], present=int(h.sum()))
+            if cls is not None and h.any():
+                self._cls[f].append(cls[h, i].astype(np.float64))
+
+    def _keep(self, f: str, scores: np.ndarray | int, index: np.ndarray, present: int | None = None) -> None:
+        self._scores[f].append(scores)
+        self._index[f].append(index)
+        self.present[f] += len(index) if present is None else present
 
     @property
     def count(self) -> dict[str, int]:
         """kind -> number of examples counted in its mean."""
-        return {f: len(self.scores[f]) for f in self.features}
+        return {f: sum(len(i) for i in self._index[f]) for f in self.features}
 
     def per_example(self, f: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """((N_f, L, H) scores, (N_f,) example indices) of kind ``f``, or None when no example counts."""
-        if not self.scores[f] or self.shape is None:
+        """((N_f, L, H) scores, (N_f,) example indices) of kind ``f``, in the order they came, or None when no
+        example counts."""
+        if not self._scores[f] or self.shape is None:
             return None
-        s = np.stack([np.zeros(self.shape) if v is None else v for v in self.scores[f]])
-        return s, np.asarray(self.index[f])
+        s = np.concatenate([np.zeros((c, *self.shape)) if isinstance(c, int) else c for c in self._scores[f]])
+        return s, np.concatenate(self._index[f])
+
+    def cls_per_example(self, f: str) -> np.ndarray | None:
+        """(M_f, L, H) [CLS]-row scores of the examples that have kind ``f``, in the order they came, or None."""
+        return np.concatenate(self._cls[f]) if self._cls[f] else None
 
     def mean(self, f: str) -> np.ndarray | None:
         """(L, H) mean over the counted examples, or None when none counts."""
@@ -105,7 +141,8 @@ class FeatureAccumulator:
 
     def cls_mean(self, f: str) -> np.ndarray | None:
         """(L, H) mean [CLS]-row score over the examples that have kind ``f``, or None."""
-        return np.mean(self.cls_scores[f], axis=0) if self.cls_scores[f] else None
+        c = self.cls_per_example(f)
+        return None if c is None else c.mean(0)
 
 
 def paired_bootstrap(a: np.ndarray, b: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float]:
@@ -142,7 +179,7 @@ class ModelScores:
 
     def n_with_pair(self) -> dict[str, int]:
         """relation -> number of examples with a linked pair."""
-        return {r: sum(v is not None for v in self.relations.scores[r]) for r in self.relations.features}
+        return dict(self.relations.present)
 
 
 @dataclass
@@ -305,10 +342,9 @@ def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, ma
     if not order:
         return acc, racc
     every = torch.cat(scores).cpu().numpy()  # (N, 2K + R, L, H), in the order the examples came
-    relations = list(rules.relations)
-    for row, k in zip(every, order):
-        acc.add({f: (row[i], row[K + i]) for i, f in enumerate(rules.names) if plan.has_kind[k, i]}, index=k)
-        racc.add({r: row[2 * K + i] if plan.has_pair[k, i] else None for i, r in enumerate(relations)}, index=k)
+    order = np.asarray(order)  # (N,)
+    acc.add_batch(every[:, :K], plan.has_kind[order], every[:, K:2 * K], order)
+    racc.add_batch(every[:, 2 * K:], plan.has_pair[order], None, order)
     return acc, racc
 
 

@@ -38,7 +38,7 @@ def tables(result: LinguisticResult) -> LinguisticTables:
                                          n_examples=acc.count[f]))
             c = acc.cls_mean(f)  # (L, H) or None
             if c is not None:
-                last, nc = L - 1, len(acc.cls_scores[f])
+                last, nc = L - 1, len(acc.cls_per_example(f))
                 for h in range(H):
                     crows.append(dict(source=run.source, model=run.model, feature=f, layer=last, head=h,
                                       name=head_name(last, h), value=float(c[last, h]), n_examples=nc))
