@@ -1,5 +1,6 @@
 """Process memory settings: glibc malloc thresholds for training on memory-mapped caches and for the extraction
-stages, the peak RSS a job reports, and the peak of a process's own (anonymous) memory that benchmarks report."""
+stages, Python's garbage collector paused over bursts of small objects, the peak RSS a job reports, and the peak of a
+process's own (anonymous) memory that benchmarks report."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import resource
 import threading
@@ -71,6 +73,21 @@ def reusable_heap(nbytes: int = 64 << 20) -> Iterator[bool]:
         for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
             if param not in before:
                 _fixed.pop(param, None)  # the ceilings stand in for glibc's own mode: nothing fixed by a caller
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside (restored after, if it was on): a burst of short-lived small objects
+    (tokenizing a split, planning an analysis's examples) is freed by reference counting before any collection
+    sees it, instead of triggering collections of the oldest generation, each of which scans every object of the
+    process (about 0.07 s with MiniLM loaded: 610,000 objects)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def set_mmap_threshold(nbytes: int | None) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import hashlib
 import logging
 import weakref
@@ -39,7 +38,7 @@ from probes.extract import cache
 from probes.extract.writer import CacheWriter, extraction_peer
 from probes.maps import MapEngine, SentenceBatches, encode_all, prefetched
 from probes.measures import build
-from probes.memory import reusable_heap
+from probes.memory import gc_paused, reusable_heap
 from probes.model.frozen import compute_in
 from probes.model.inputs import Encoded
 from probes.model.load import Encoder
@@ -77,16 +76,11 @@ def encode_split(tokenizer, sentences: list[list[str]]) -> list[Encoded]:
     if digest in kept:
         kept.move_to_end(digest)
         return list(kept[digest])
-    collecting = gc.isenabled()
     # no collection while tokenizing: its many short-lived lists and tuples are freed before any collection sees
     # them, instead of being promoted to the oldest generation, whose collections scan every object of the process
     # (about 0.25 s with a model loaded, every few splits tokenized: bench/README.md)
-    gc.disable()
-    try:
+    with gc_paused():
         encoded = encode_all(tokenizer, sentences)
-    finally:
-        if collecting:
-            gc.enable()
     kept[digest] = encoded
     while len(kept) > KEEP_SPLITS:
         kept.popitem(last=False)

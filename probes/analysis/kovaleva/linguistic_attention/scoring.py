@@ -18,6 +18,7 @@ from probes.data.glue import read_glue, task_spec
 from probes.maps import MapEngine
 from probes.maps.spans import Spans, block_max, column_reduce, concat_ranges, positions_of, segment_max
 from probes.measures.attention import Attention
+from probes.memory import gc_paused
 from probes.model.families import usable_max_length
 from probes.stats import resamples
 
@@ -333,7 +334,8 @@ def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, ma
     racc = FeatureAccumulator(list(rules.relations), rules.relation_missing)
     engine = MapEngine(model, Attention(), tokenizer=tok, device=ctx.device, max_tokens=max_tokens,
                        max_batch_size=64, max_pairs=None)
-    plan = _ExamplePlan(items, tok, rules)
+    with gc_paused():  # the plan's many small objects: no collection scanning the whole process meanwhile
+        plan = _ExamplePlan(items, tok, rules)
     K, R = len(rules.names), len(rules.relations)
     order, scores = [], []
     for positions, lengths, maps in engine.iter_piece_map_batches([it.encoded for it in items], desc=desc):
