@@ -21,7 +21,8 @@ from probes.model.tiny import DECODERS, FAMILIES, tiny_folder
 from tests import reference
 
 SENTS = [["The", "unbelievably", "quick", "fox", "jumped", "over", "the", "dog", "."], ["Hello", "!"],
-         ["A", "cat", ",", "a", "dog", "and", "John", "'s", "mat", "sat", "."], ["wheel", "-", "chair", "éléphant"]]
+         ["A", "cat", ",", "a", "dog", "and", "John", "'s", "mat", "sat", "."], ["wheel", "-", "chair", "éléphant"],
+         ["There", "were", "10 000", "naïve", "people", "."]]  # a word with a space inside; an accent
 
 
 @pytest.fixture(scope="module")

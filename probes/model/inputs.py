@@ -130,17 +130,17 @@ def _assign_words(tokenizer, ids: list[int], seq: list[int | None], offsets, tex
     running-text encoding; ``seq`` None marks the tokenizer's specials."""
     n = len(spans)
     char_word = [-1] * len(text)  # (C,) word of each character, -1 for the spaces between words
+    inner_spaces = len(text.split()) != n  # some word holds whitespace (e.g. "10 000"): not its characters
     for k, (a, e) in enumerate(spans):
-        for c in range(a, e):
-            if not text[c].isspace():
-                char_word[c] = k
+        char_word[a:e] = [k] * (e - a) if not inner_spaces else [-1 if text[c].isspace() else k for c in range(a, e)]
     content = [i for i, s in enumerate(seq) if s is not None]
     if content and content[-1] - content[0] + 1 != len(content):
         raise TokenizationError(f"{_name(tokenizer)} puts a special token between the words of {text!r:.80}")
     words, merged = [], 0
     for i in content:
         a, e = offsets[i]
-        hit = sorted({char_word[c] for c in range(a, e) if char_word[c] >= 0})
+        seg = char_word[a:e]  # the words of the piece's characters: nondecreasing apart from the -1 of spaces
+        hit = [seg[0]] if seg and seg[0] >= 0 and seg[0] == seg[-1] else sorted({w for w in seg if w >= 0})
         if not hit:  # a piece of spaces alone (or with no characters): the next word's
             nxt = [char_word[c] for c in range(e, len(text)) if char_word[c] >= 0]
             hit = [nxt[0] if nxt else (words[-1] if words else 0)]
@@ -179,6 +179,8 @@ def spaces_in_pieces(tokenizer) -> bool:
 def _canon(s: str) -> str:
     """Text modulo what tokenizers' normalisers do: compatibility forms, accents, case, control characters; every
     whitespace character as a space."""
+    if s.isascii() and s.isprintable():  # no compatibility form, accent or control character; spaces only
+        return s.lower()
     s = unicodedata.normalize("NFKD", s)
     s = "".join(" " if c.isspace() else c for c in s
                 if unicodedata.category(c) not in ("Mn", "Cc", "Cf") or c.isspace())
