@@ -6,9 +6,10 @@ maps and by blocks of query rows (issue 42), side by side at each length, in one
     python bench/long_context.py --encoder qwen2_5_coder_1_5b --lengths 32768 --prepare DIR  # ids and config only
     python bench/long_context.py --inputs DIR --random-init --device cuda --paths bare blocks # where no weights go
 
-The text: whole documents of UD GUM train (``--source gum``; or ``ewt``: UD EWT train), in file order, their
-sentences joined by single spaces as one running text, cut after the last whole sentence that keeps it within the
-length (the model's own tokenizer, its specials included). Units: the text's sentences (the first special goes
+The text: whole documents of UD GUM train (``--source gum``; or ``ewt``: UD EWT train), in file order, as one
+running text cut after the last whole sentence that keeps it within the length (the model's own tokenizer, its
+specials included), built as ``analysis=long_context`` builds it (:func:`probes.data.documents.read_conllu_documents`,
+:func:`~probes.data.documents.running_text`: each sentence's words joined by single spaces). Units: the text's sentences (the first special goes
 with the first sentence, a last special with the last); punctuation: the ``.`` and ``,`` pieces; separator: the last
 piece (:class:`probes.maps.reducers.HeadStats`' default).
 
@@ -52,7 +53,6 @@ from probes.machine import cpu_description  # noqa: E402
 DEFAULT_DATA_DIR = os.environ.get("PROBES_DATA_DIR") or str(REPO_ROOT.parent / "shared" / "data")
 SOURCES = {"gum": "ud_english_gum/en_gum-ud-train.conllu", "ewt": "ud_english_ewt/en_ewt-ud-train.conllu"}
 PATHS = ("bare", "full", "whole", "blocks")
-PUNCT = {".", ","}
 WARMUP = 64  # pieces of the warm-up forward
 GIB = 2 ** 30
 SAFE = 0.75  # a path runs only where its maps need at most this share of the memory available (a shared machine)
@@ -64,40 +64,17 @@ def peak_rss_gib() -> float:
 
 
 # ----------------------------------------------------------------------------- the text
-def documents(data_dir: str, source: str) -> list[list[list[str]]]:
-    """The documents of the source file in order, each a list of sentences (lists of words)."""
-    import probes
+def make_text(tokenizer, docs, length: int) -> dict:
+    """One running text of whole documents within ``length`` pieces, built as ``analysis=long_context`` builds it
+    (:func:`probes.data.documents.running_text`, :func:`~probes.data.documents.encode_document`): ids, word of every
+    piece, the sentence of every piece, punctuation flags."""
+    from probes.data.documents import encode_document, running_text
 
-    docs: dict[str, list[list[str]]] = {}
-    for s in probes.read_conllu(Path(data_dir) / SOURCES[source]):
-        docs.setdefault(s.doc_id, []).append(list(s.words))
-    return list(docs.values())
-
-
-def make_text(tokenizer, docs: list[list[list[str]]], length: int) -> dict:
-    """One running text of whole documents' sentences within ``length`` pieces: ids, word of every piece, the
-    sentence of every piece, punctuation flags."""
-    from probes.model.inputs import encode_words
-
-    sentences, total = [], 0
-    for doc in docs:  # a first guess from the sentences' own lengths, then cut on the joined text
-        for s in doc:
-            sentences.append(s)
-            total += len(tokenizer(" ".join(s), add_special_tokens=False)["input_ids"])
-        if total > length:
-            break
-    while True:  # the guess is over by about one sentence: drop the last until the joined text fits
-        words = [w for s in sentences for w in s]
-        (e,) = encode_words(tokenizer, [words])
-        if e.n_pieces <= length or len(sentences) == 1:
-            break
-        sentences.pop()
-    sentence_of_word = [k for k, s in enumerate(sentences) for _ in s]
-    S = len(sentences)
-    unit = [sentence_of_word[w] if 0 <= w < len(words) else (0 if w < 0 else S - 1) for w in e.word_of_piece]
-    punct = [0 <= w < len(words) and words[w] in PUNCT for w in e.word_of_piece]
-    return dict(ids=e.input_ids, word_of_piece=e.word_of_piece, n_words=e.n_words, sentence=unit, n_sentences=S,
-                punct=punct, n_pieces=e.n_pieces)
+    doc = running_text(tokenizer, docs, length)
+    de = encode_document(tokenizer, doc)
+    e = de.encoded
+    return dict(ids=e.input_ids, word_of_piece=e.word_of_piece, n_words=e.n_words, sentence=de.sentence_of_piece,
+                n_sentences=doc.n_sentences, punct=de.punct, n_pieces=de.n_pieces)
 
 
 # ----------------------------------------------------------------------------- one measurement (child process)
@@ -135,7 +112,6 @@ def child(args) -> None:
     from probes.maps.reducers import HeadStats, Pool, Several, given_units
     from probes.measures.attention import Attention
     from probes.model.inputs import Encoded
-    from probes.model.load import input_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,8 +187,6 @@ def child(args) -> None:
 # ----------------------------------------------------------------------------- the parent
 def prepare(args, lengths: list[int]) -> dict:
     """{length: text} from the data and the model's tokenizer, and the model's config (``--prepare``: written)."""
-    from transformers import AutoTokenizer
-
     if args.inputs:
         folder = Path(args.inputs)
         return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("text-*.json")
@@ -220,9 +194,10 @@ def prepare(args, lengths: list[int]) -> dict:
     from hydra.utils import instantiate
 
     from probes.config import compose
+    from probes.data.documents import read_conllu_documents
 
     enc = instantiate(compose("analyze", [f"encoder={args.encoder}"]).encoder)
-    docs = documents(args.data_dir, args.source)
+    docs = read_conllu_documents(Path(args.data_dir) / SOURCES[args.source])
     texts = {n: make_text(enc.tokenizer, docs, n) for n in lengths}
     if args.prepare:
         folder = Path(args.prepare)
