@@ -321,9 +321,17 @@ def batch_scores(maps: torch.Tensor, lengths: torch.Tensor, positions: Sequence[
     return torch.cat([kinds, pairs.view(B, n_relations, L, H)], 1)                   # (B, 2K + R, L, H)
 
 
-def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, max_tokens: int, desc: str
-             ) -> tuple[FeatureAccumulator, FeatureAccumulator]:
-    """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations.
+def _plan(items: list[LabelledExample], tok, rules: KindRules) -> _ExamplePlan:
+    """The examples' plan, built with the garbage collector paused (its many small objects: no collection scanning
+    the whole process meanwhile)."""
+    with gc_paused():
+        return _ExamplePlan(items, tok, rules)
+
+
+def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, max_tokens: int, desc: str,
+             plan: _ExamplePlan | None = None) -> tuple[FeatureAccumulator, FeatureAccumulator]:
+    """Accumulators of one model over ``items``: kinds (received + [CLS] row) and relations; ``plan``: the items'
+    plan (:func:`_plan`) when it was built already (None: built here).
 
     The groups and pairs of every example are planned on the host first; each batch of maps
     (:meth:`probes.maps.MapEngine.iter_piece_map_batches`) is scored at once on its device (:func:`batch_scores`),
@@ -334,8 +342,7 @@ def _run_one(ctx, items: list[LabelledExample], model, tok, rules: KindRules, ma
     racc = FeatureAccumulator(list(rules.relations), rules.relation_missing)
     engine = MapEngine(model, Attention(), tokenizer=tok, device=ctx.device, max_tokens=max_tokens,
                        max_batch_size=64, max_pairs=None)
-    with gc_paused():  # the plan's many small objects: no collection scanning the whole process meanwhile
-        plan = _ExamplePlan(items, tok, rules)
+    plan = _plan(items, tok, rules) if plan is None else plan
     K, R = len(rules.names), len(rules.relations)
     order, scores = [], []
     for positions, lengths, maps in engine.iter_piece_map_batches([it.encoded for it in items], desc=desc):
@@ -412,8 +419,9 @@ def compute(ctx, selection: ExampleSelection, rules: KindRules, *, checkpoint=No
             items, skipped = glue_items(tok, examples, nlp, selection.min_length, selection.max_length,
                                         selection.max_examples)
         by_model = {}
+        plan = _plan(items, tok, rules)  # one for every model: they share the encoder's vocabulary
         for variant, (model, tok) in models.items():
-            acc, racc = _run_one(ctx, items, model, tok, rules, max_tokens, f"linguistic {label} {variant}")
+            acc, racc = _run_one(ctx, items, model, tok, rules, max_tokens, f"linguistic {label} {variant}", plan)
             for f in rules.names:
                 if acc.mean(f) is None:
                     log.warning("linguistic_attention %s: no example has a token of kind %s", label, f)
