@@ -10,6 +10,9 @@ sentence alone), ``sink`` the windows of 64 pieces of the split's running text (
 fill), ``clustering`` the pairs of head_stats; ``head_stats_loop``: head_stats' pairs through the per-sentence path it had
 before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``), for comparison; ``dep_heads`` each
 sentence alone, scored from an attention cache of them built (in a temporary folder) before the rounds;
+``coref_heads`` the segments of its default source, UD GUM ``--split`` (the first documents holding at least
+``--sentences`` sentences, singletons removed, whole sentences packed within the model's length), scored from a
+cache of them built before the rounds;
 ``pattern_types`` and ``linguistic_attention`` each sentence alone (linguistic_attention's token kinds and relations
 on the gold UD labels, its ``source=treebank``).
 ``--encoder``: the extraction bench's choices (``extract_speed.load_bench_encoder``: ``minilm``,
@@ -23,7 +26,8 @@ For each analysis, in alternation for ``--rounds`` rounds (the best of each kept
   result on the host; ``sink``: :func:`probes.analysis.beyond.sink.first_token_alpha`; ``clustering``:
   :func:`probes.analysis.clark.clustering.head_distances` and its results on the host; ``dep_heads``:
   :func:`probes.analysis.clark.dep_heads.evaluate` on the cache (the scoring, timed alone; reported as bare plus it:
-  the maps an extraction computes, then their scoring; ``scoring_*`` the scoring alone); ``pattern_types``:
+  the maps an extraction computes, then their scoring; ``scoring_*`` the scoring alone); ``coref_heads``:
+  :func:`probes.analysis.clark.coref_heads.evaluate` on its cache, the same way; ``pattern_types``:
   :func:`probes.analysis.kovaleva.pattern_types.head_predictions` with a CNN of the default shape and random weights
   (the work of a trained one); ``linguistic_attention``: its scoring of one model
   (``probes.analysis.kovaleva.linguistic_attention.scoring._run_one``) with the paper's kinds and relations.
@@ -31,7 +35,8 @@ For each analysis, in alternation for ``--rounds`` rounds (the best of each kept
 Reported: pieces (tokens) per second of wall time, the analysis's throughput over bare's, CPU seconds (the main
 thread's: with ``--threads 1`` every CPU kernel runs there; the memory sampler's thread is not counted), the CPU-s
 per 1,000 sentences (inputs) the analysis adds to bare's, split into its reductions' tensor operators (the CPU time
-inside the reducers' ``start``, ``update`` and ``batch_results``, ``DepAccumulator.add_batch``,
+inside the reducers' ``start``, ``update`` and ``batch_results``, ``DepAccumulator.add_batch`` and
+``CorefAccumulator.add_batch``,
 linguistic_attention's ``batch_scores``, pattern_types' ``classify_batch`` (the CNN on a batch's length groups) and
 the stacking of a batch's piece maps into one tensor (``probes.maps.engine.stacked_maps``), :func:`timed_updates`:
 on a GPU the device's work) and the rest, its host work (flags, batching, Python: what stays on the CPU beside a
@@ -62,9 +67,13 @@ import torch  # noqa: E402
 
 
 from probes.analysis.beyond.sink import first_token_alpha, running_split_text, text_windows  # noqa: E402
-from probes.analysis.clark import dep_heads, head_stats  # noqa: E402
+from probes.analysis.clark import coref_heads, dep_heads, head_stats  # noqa: E402
 from probes.analysis.clark.clustering import head_distances  # noqa: E402
 from probes.analysis.clark.metrics import DepAccumulator, HeadStatsAccumulator, is_causal  # noqa: E402
+from probes.data.coref import read_gum_coref  # noqa: E402
+from probes.extract import runner  # noqa: E402
+from probes.extract.stage import AttentionMaps  # noqa: E402
+from probes.maps import encode_all  # noqa: E402
 from probes.analysis.kovaleva import pattern_types  # noqa: E402
 from probes.analysis.kovaleva.linguistic_attention import scoring  # noqa: E402
 from probes.analysis.kovaleva.linguistic_attention.examples import treebank_items  # noqa: E402
@@ -83,9 +92,9 @@ from probes.measures.attention import Attention  # noqa: E402
 from probes.memory import AnonPeak  # noqa: E402
 from extract_speed import load_bench_encoder  # noqa: E402  (the same encoders as the extraction bench)
 
-ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop", "dep_heads", "pattern_types",
-            "linguistic_attention")
-CACHED = ("dep_heads",)
+ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop", "dep_heads", "coref_heads",
+            "pattern_types", "linguistic_attention")
+CACHED = ("dep_heads", "coref_heads")
 # linguistic_attention's node keys that KindRules.from_config takes
 RULE_ARGS = ("feature_set", "feature_sets", "features", "piece_pooling", "missing", "missing_by_feature", "relations",
              "relation_missing")  # analyses that read the attention cache: built before the rounds, the scoring timed
@@ -120,7 +129,8 @@ def timed_updates(out: dict):
     reductions = {(owner, name): getattr(owner, name)
                   for owner, names in ((HeadStats, ("start", "update", "batch_results")),
                                        (HeadDistances, ("start", "update", "batch_results")),
-                                       (DepAccumulator, ("add_batch",)), (scoring, ("batch_scores",)),
+                                       (DepAccumulator, ("add_batch",)), (coref_heads.CorefAccumulator, ("add_batch",)),
+                                       (scoring, ("batch_scores",)),
                                        (pattern_types, ("classify_batch",)), (engine_module, ("stacked_maps",)))
                   for name in names}
     forwards = {(Attention, name): getattr(Attention, name) for name in ("reduce", "layer_maps")}
@@ -176,9 +186,26 @@ def measured(out: dict, device: str):
         out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 3)
 
 
-def inputs_of(analysis: str, enc, sentences):
+def coref_data(enc, data_dir: str, split: str, n: int):
+    """(documents, segments) of coref_heads' default source: UD GUM ``split``'s documents (singletons removed), the
+    first ones holding at least ``n`` sentences, packed into segments of at most the model's length."""
+    docs, total = [], 0
+    for d in read_gum_coref(Path(data_dir) / "ud_english_gum" / f"en_gum-ud-{split}.conllu"):
+        if total >= n:
+            break
+        docs.append(d.without_singletons())
+        total += len(d.sentences)
+    segments, _ = coref_heads.document_segments(enc.tokenizer, docs, enc.max_length)
+    return docs, segments
+
+
+def inputs_of(analysis: str, enc, sentences, coref=None):
     """(encoded inputs, the number of sentences they hold) as the analysis reads them (linguistic_attention: its
-    labelled examples, their ``encoded`` the inputs)."""
+    labelled examples, their ``encoded`` the inputs; coref_heads: ``coref``'s segments)."""
+    if analysis == "coref_heads":
+        docs, segments = coref
+        words = coref_heads.coref_source(docs, segments, "gum", "bench", "-", None).words()
+        return encode_all(enc.tokenizer, words), sum(g.last_sentence - g.first_sentence for g in segments)
     if analysis == "linguistic_attention":
         items = [it for it in treebank_items(enc.tokenizer, sentences) if it.encoded.n_pieces <= enc.max_length]
         return items, len(items)
@@ -207,6 +234,9 @@ def bench_classifier() -> PatternClassifier:
 
 
 def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_batch_size: int, cached=None):
+    if analysis == "coref_heads":  # the scoring of the cached segment maps (the cache built before)
+        cache, docs, segments = cached
+        return coref_heads.evaluate(cache, docs, segments, device, progress=False).count
     if analysis == "dep_heads":  # the scoring of the cached word maps (the cache built before)
         cache, sentences = cached
         return dep_heads.evaluate(cache, sentences, cache.num_layers, cache.num_heads, progress=False,
@@ -240,6 +270,16 @@ def build_cache(enc, path: Path, n: int, precision: str, cache_dir: Path):
     tb = Treebank(name=path.parent.name, data_dir=str(path.parent.parent), subdir=path.parent.name,
                   files={split: path.name}, download=False)
     return ensure_cache(enc, tb, split, ExtractSettings.from_config(cfg.extract), cache_dir, max_sentences=n)
+
+
+def build_coref_cache(enc, coref, precision: str, cache_dir: Path):
+    """(attention cache, documents, segments): coref_heads' cache of the segments (the project's extraction stage,
+    conf/extract at ``precision``, segments within the model's length)."""
+    docs, segments = coref
+    cfg = compose("analyze", [f"extract.precision={precision}"])
+    settings = ExtractSettings.from_config(cfg.extract).replace(max_length=enc.max_length, long_sentences="error")
+    source = coref_heads.coref_source(docs, segments, "gum", "bench", "-", None)
+    return runner.build(enc, AttentionMaps(), source, settings, cache_dir), docs, segments
 
 
 def run_bare(enc, items, device: str, max_tokens: int, max_batch_size: int) -> None:
@@ -282,13 +322,16 @@ def main(argv=None) -> dict:
     kw = dict(max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
     with autocast, tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
         for analysis in args.analyses:
-            items, n_sentences = inputs_of(analysis, enc, sentences)
+            coref = (coref_data(enc, args.data_dir, args.split, len(sentences)) if analysis == "coref_heads"
+                     else None)
+            items, n_sentences = inputs_of(analysis, enc, sentences, coref)
             if analysis == "linguistic_attention":
                 linguistic_rules()  # composed before the rounds
             if analysis == "pattern_types":
                 bench_classifier().inference_net()  # built before the rounds
-            cached = (build_cache(enc, path, len(sentences), args.precision, Path(tmp))
-                      if analysis in CACHED else None)
+            cached = (build_coref_cache(enc, coref, args.precision, Path(tmp)) if analysis == "coref_heads"
+                      else build_cache(enc, path, len(sentences), args.precision, Path(tmp)) if analysis in CACHED
+                      else None)
             encoded = [getattr(e, "encoded", e) for e in items]  # (linguistic_attention's examples: their encoding)
             pieces = sum(e.n_pieces for e in encoded)
             run_bare(enc, encoded[:8], args.device, **kw)  # warm-up

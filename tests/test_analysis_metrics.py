@@ -10,7 +10,7 @@ from probes.analysis.clark.clustering import classify_heads, mds_embedding
 from probes.analysis.clark.dep_heads import evaluate, tables
 from probes.analysis.clark.head_stats import pair_indices, separator_positions, sequence_attention, stats_table
 from probes.analysis.clark.metrics import (
-    DepAccumulator, HeadStatsAccumulator, evaluation_positions, is_period_comma, offset_predictions,
+    DepAccumulator, HeadStatsAccumulator, evaluation_positions, is_period_comma, most_attended_rows, offset_predictions,
     piece_strings, piece_text, predict_heads, punct_positions, sentence_head_stats, smooth, smoothed_entropy,
 )
 from probes.model.inputs import encode_word_pairs
@@ -434,3 +434,28 @@ def test_pair_input_special_positions_and_attention(tmp_path, family):
         want = torch.stack(model(input_ids=torch.tensor([ids]), output_attentions=True, **kw).attentions)[:, 0]
     torch.testing.assert_close(attn, want, rtol=1e-4, atol=1e-6)
     assert sep == separator_positions(e) and sum(punct) == 2  # '.' and ','
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_most_attended_rows_equals_a_loop_over_the_chosen_rows(dtype):
+    """The most-attended other word of chosen words of a padded batch (items of 1-6 words, ties included), by
+    plain loops over each chosen row's candidates, first maximum winning."""
+    g = torch.Generator().manual_seed(0)
+    n = torch.tensor([3, 1, 6, 4])  # words per item; W = 8: padding beyond each
+    maps = torch.rand(4, 2, 3, 8, 8, generator=g).to(dtype)  # (B, L, H, W, W)
+    maps[2, :, :, 3, 1:3] = 2.0  # a tie between words 0 and 1 in row 2 of item 2, above all else: the first wins
+    item = torch.tensor([0, 0, 1, 2, 2, 3, 2])
+    word = torch.tensor([0, 2, 0, 2, 5, 3, 0])
+    got = most_attended_rows(maps, n, item, word)
+    assert got.shape == (7, 2, 3) and got.dtype == torch.long
+    for m in range(7):
+        b, j = int(item[m]), int(word[m])
+        for l in range(2):
+            for h in range(3):
+                best, pick = None, 0
+                for k in range(int(n[b])):
+                    v = float(maps[b, l, h, j + 1, k + 1])
+                    if k != j and (best is None or v > best):
+                        best, pick = v, k
+                assert got[m, l, h] == pick + 1, (m, l, h)  # a one-word item: the word itself (never a head)
+    assert (got[3] == 1).all()  # the tie

@@ -19,7 +19,8 @@ BATCH_MIB = {"cpu": 2, "cuda": 256}
 
 
 def word_map_batches(cache, indices: Sequence[int], n_words: Sequence[int], device: str | torch.device = "cpu",
-                     budget_mb: float | None = None, desc: str = "word maps", progress: bool = True
+                     budget_mb: float | None = None, desc: str = "word maps", progress: bool = True,
+                     dtype: torch.dtype | None = torch.float32
                      ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Yield ``(batch, maps, n)`` over the entries ``indices`` of ``cache`` that it holds (the others, skipped
     sentences, are left out), by size (the smallest first).
@@ -32,10 +33,13 @@ def word_map_batches(cache, indices: Sequence[int], n_words: Sequence[int], devi
         budget_mb: The most MiB of one batch's float32 maps (B x L x H x W^2; an entry above it alone); None:
             :data:`BATCH_MIB` of the device's type (else the GPU's).
         desc, progress: The progress bar's label; whether to show it.
+        dtype: The maps' dtype on ``device`` (None: the cache's, float16, for a reader that converts only what it
+            reads).
 
     Yields:
-        batch: the entries of this batch; maps: (B, L, H, W, W) float32 on ``device``, entry b's block at
-        ``[b, :, :, :W_b, :W_b]``, zeros beyond; n: (B,) long, n_b.
+        batch: the entries of this batch; maps: (B, L, H, W, W) of ``dtype`` on ``device``, entry b's block at
+        ``[b, :, :, :W_b, :W_b]``, zeros beyond (an entry alone: its block, not copied on the host); n: (B,) long,
+        n_b.
     """
     words = {int(i): int(n) for i, n in zip(indices, n_words, strict=True) if i in cache}
     order = sorted(words, key=lambda i: words[i])
@@ -56,15 +60,22 @@ def word_map_batches(cache, indices: Sequence[int], n_words: Sequence[int], devi
                 stop += 1
             batch = order[start:stop]
             W = words[batch[-1]] + 2
-            host = np.zeros((len(batch), L, H, W, W), dtype=np.float16)  # (B, L, H, W, W)
-            for b, i in enumerate(batch):
+            blocks = []
+            for i in batch:
                 m = first if i == order[0] else cache[i]  # (L, H, W_i, W_i)
                 if m.shape[-1] != words[i] + 2:
                     raise ValueError(f"cache {getattr(cache, 'path', '')}: entry {i} has word maps of side "
                                      f"{m.shape[-1]}, expected {words[i] + 2} for its {words[i]} words (the cache was "
                                      "built from other sentences)")
-                host[b, :, :, :m.shape[-1], :m.shape[-1]] = m
-            maps = torch.from_numpy(host).to(device).float()  # (B, L, H, W, W)
+                blocks.append(m)
+            if len(blocks) == 1:  # one entry (a long one, alone over the budget): its own block, no padded copy
+                host = np.asarray(blocks[0], dtype=np.float16)[None]  # (1, L, H, W, W)
+            else:
+                host = np.zeros((len(batch), L, H, W, W), dtype=np.float16)  # (B, L, H, W, W)
+                for b, m in enumerate(blocks):
+                    host[b, :, :, :m.shape[-1], :m.shape[-1]] = m
+            maps = torch.from_numpy(host).to(device)  # (B, L, H, W, W) float16
+            maps = maps.to(dtype) if dtype is not None else maps
             yield batch, maps, torch.tensor([words[i] for i in batch], dtype=torch.long, device=device)
             bar.update(len(batch))
             start = stop

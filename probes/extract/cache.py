@@ -396,16 +396,16 @@ class CacheEntry:
 
     def _read(self, i: int, shard: int, offset: int, shape: tuple[int, ...]) -> np.ndarray:
         """The float16 block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors), copied
-        from disk (``os.pread``, not a memory map, so pages of a cache larger than memory never accumulate in the
-        reading process); :class:`CacheDamaged` when the shard ends early."""
+        from disk into a writable buffer (``os.preadv``, not a memory map, so pages of a cache larger than memory
+        never accumulate in the reading process); :class:`CacheDamaged` when the shard ends early."""
         if self._fds is None:
             self._fds = [os.open(self.path / s, os.O_RDONLY) for s in self.manifest["shards"]]
-        nbytes = 2 * int(np.prod(shape))
-        buf = os.pread(self._fds[shard], nbytes, 2 * offset)
-        if len(buf) != nbytes:
+        out = np.empty(shape, dtype=np.float16)  # writable, not zeroed: it can go to torch without a copy
+        nbytes = out.nbytes
+        if os.preadv(self._fds[shard], [out], 2 * offset) != nbytes:
             raise CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
                                self.manifest.get("command") or build_command(self.manifest.get("key", {})))
-        return np.frombuffer(buf, dtype=np.float16).reshape(shape)
+        return out
 
     def __getstate__(self):
         return dict(self.__dict__, _fds=None)

@@ -62,7 +62,7 @@ import torch
 
 from probes.analysis import plots
 from probes.analysis.cached import word_map_batches
-from probes.analysis.clark.metrics import most_attended
+from probes.analysis.clark.metrics import most_attended, most_attended_rows
 from probes.analysis.naming import head_name, model_layers
 from probes.data.coref import (CorefDocument, Mention, pronoun_features, read_gum_coref, read_litbank,
                                read_ontogum)
@@ -321,8 +321,7 @@ class CorefAccumulator:
         n_words[b] words at 1..n_b); counts every mention whose head word's most-attended other word heads one of
         its antecedents."""
         b, head, group, ante = labels.batch(index, maps.shape[-1] - 2)  # (M',) x 3, (M', N + 1)
-        pred = most_attended(maps, n_words)  # (B, L, H, N) 1-based
-        mention = pred[b, :, :, head]  # (M', L, H)
+        mention = most_attended_rows(maps, n_words, b, head)  # (M', L, H) 1-based: the mention heads' rows only
         hit = ante.gather(1, mention.reshape(len(b), -1)).view(len(b), self.L, self.H).long()  # (M', L, H)
         add = torch.zeros(len(GROUPS), self.L, self.H, dtype=torch.long, device=maps.device)  # (G, L, H)
         add.index_add_(0, group, hit)
@@ -450,6 +449,42 @@ def coref_cache(ctx, docs, segments, dataset: str, split: str, digest: str, max_
     return runner.build(ctx.encoder, AttentionMaps(), source, settings, ctx.cache_dir)
 
 
+def document_segments(tokenizer, docs: list[CorefDocument], max_length: int) -> tuple[list[Segment], int]:
+    """Every document's segments (:func:`segment_document`: whole sentences within ``max_length`` pieces, specials
+    included), in document order, and the number of sentences longer than that (in no segment)."""
+    pieces = sentence_pieces(tokenizer, docs)
+    segments, n_long = [], 0
+    for i, d in enumerate(docs):
+        segs, long = segment_document(pieces[i], max_length, i, [len(s.words) for s in d.sentences],
+                                      segment_length(tokenizer, d))
+        segments += segs
+        n_long += len(long)
+    return segments, n_long
+
+
+def evaluate(cache, docs: list[CorefDocument], segments: list[Segment], device: str | torch.device = "cpu",
+             progress: bool = True) -> CorefAccumulator:
+    """Every head and baseline on the segments' evaluated mentions (:func:`segment_items`): the heads from the
+    cache's word maps of the segments (entry i: segment i), a batch of segments at a time on ``device``
+    (:func:`~probes.analysis.cached.word_map_batches`, :meth:`CorefAccumulator.add_batch`); a KeyError when a
+    segment with mentions is not in the cache."""
+    acc = CorefAccumulator(cache.num_layers, cache.num_heads)
+    items = [segment_items(docs[g.doc], g, i) for i, g in enumerate(segments)]
+    for its in items:
+        acc.add_mentions(its)
+    labels = MentionLabels(items).to(device)
+    scored = [i for i, its in enumerate(items) if its]  # segments with a mention to evaluate
+    missing = [i for i in scored if i not in cache]
+    if missing:
+        raise KeyError(f"cache {getattr(cache, 'path', '')}: {len(missing)} segment(s) with mentions to evaluate "
+                       f"are not in it (first: {missing[0]}); rebuild it (delete the folder)")
+    for batch, maps, n in word_map_batches(cache, scored, [segments[i].word_end - segments[i].word_start
+                                                           for i in scored], device, desc="coref_heads",
+                                           progress=progress, dtype=None):  # float16: only the rows read convert
+        acc.add_batch(maps, n, labels, torch.as_tensor(batch, device=maps.device))  # maps: (B, L, H, W, W)
+    return acc
+
+
 # ----------------------------------------------------------------------------- entry point
 def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_documents: int | None = None,
                 max_length: int | None = None, ontogum_dir: str = "gum_coref_ontogum",
@@ -464,31 +499,13 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
     max_length = int(max_length or enc.max_length)
     if measure.max_pieces:  # e.g. flow: segments no longer than the measure accepts
         max_length = min(max_length, measure.max_pieces)
-    pieces = sentence_pieces(enc.tokenizer, docs)
-    segments, n_long = [], 0
-    for i, d in enumerate(docs):
-        segs, long = segment_document(pieces[i], max_length, i, [len(s.words) for s in d.sentences],
-                                      segment_length(enc.tokenizer, d))
-        segments += segs
-        n_long += len(long)
+    segments, n_long = document_segments(enc.tokenizer, docs, max_length)
     if n_long:
         log.warning("%d sentences exceed %d wordpieces and are left out of every segment", n_long, max_length)
     log.info("%s/%s: %d documents, %d coreferent mentions, %d segments (<= %d wordpieces)", dataset, split,
              len(docs), sum(len(d.mentions) for d in docs), len(segments), max_length)
     cache = coref_cache(ctx, docs, segments, dataset, split, digest, max_length, max_documents)
-    acc = CorefAccumulator(cache.num_layers, cache.num_heads)
-    items = [segment_items(docs[g.doc], g, i) for i, g in enumerate(segments)]
-    for its in items:
-        acc.add_mentions(its)
-    labels = MentionLabels(items).to(ctx.device)
-    scored = [i for i, its in enumerate(items) if its]  # segments with a mention to evaluate
-    missing = [i for i in scored if i not in cache]
-    if missing:
-        raise KeyError(f"cache {cache.path}: {len(missing)} segment(s) with mentions to evaluate are not in it "
-                       f"(first: {missing[0]}); rebuild it (delete the folder)")
-    for batch, maps, n in word_map_batches(cache, scored, [segments[i].word_end - segments[i].word_start
-                                                           for i in scored], ctx.device, desc="coref_heads"):
-        acc.add_batch(maps, n, labels, torch.as_tensor(batch, device=maps.device))  # maps: (B, L, H, W, W)
+    acc = evaluate(cache, docs, segments, ctx.device)
     heads, table = tables(acc, cache.layers)
     ctx.save_table(heads, "coref_heads")
     ctx.save_table(table, "coref_table")

@@ -269,6 +269,20 @@ def most_attended(maps: torch.Tensor, n_words: torch.Tensor, transpose: bool = F
     return pred
 
 
+def most_attended_rows(maps: torch.Tensor, n_words: torch.Tensor, item: torch.Tensor, word: torch.Tensor
+                       ) -> torch.Tensor:
+    """:func:`most_attended` (dep2head, not causal) of chosen words only: word ``word[m]`` (0-based) of item
+    ``item[m]`` for each of M rows, reading only those rows of ``maps`` (B, L, H, W, W) (any float dtype; the rows
+    are compared in float32). Returns (M, L, H) long, 1-based word indices: the same as ``most_attended(maps,
+    n_words)[item, :, :, word]`` (the same candidates, ties to the first word) at M rows' cost instead of every
+    row's."""
+    W = maps.shape[-1]
+    rows = maps[item, :, :, word + 1, 1:W - 1].float()  # (M, L, H, N) the chosen rows' word columns
+    idx = torch.arange(W - 2, device=maps.device)  # (N,)
+    cand = (idx[None, :] < n_words.to(maps.device)[item][:, None]) & (idx[None, :] != word[:, None])  # (M, N)
+    return rows.masked_fill_(~cand[:, None, None], float("-inf")).max(-1).indices + 1  # (M, L, H)
+
+
 def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False, causal: bool = False) -> np.ndarray:
     """:func:`most_attended` of one item's word maps ``word_attn`` (L, H, W, W), W = n + 2: (L, H, n) int,
     1-based word indices (0: no candidate, ``causal`` only)."""
