@@ -43,7 +43,9 @@ on a GPU the device's work) and the rest, its host work (flags, batching, Python
 GPU). The host work is given twice: as that rest (the analysis's CPU less bare's and the reductions: the forward's
 variation between the two runs, a few tenths of a CPU-s, in it) and outside the forwards, each run's own
 (:func:`host_outside_forward`: a run's CPU less the time inside the model's forwards, ``Attention.reduce`` and
-``layer_maps``, and less its reductions; the analysis's less bare's). Also the high-water mark of the process's own
+``layer_maps``, and less its reductions; the analysis's less bare's). The throughput is also given without the
+forward's variation (``own_costs_ratio``): bare's CPU over bare's plus the analysis's reductions and host work
+outside the forwards. Also the high-water mark of the process's own
 anonymous memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
 (``torch.cuda.max_memory_allocated``). The CPU is named (:func:`probes.machine.cpu_description`) beside the numbers.
 """
@@ -364,13 +366,19 @@ def main(argv=None) -> dict:
                        reductions_cpu_s_per_1000=round(mine.get("reductions_cpu_s", 0.0) / n_sentences * 1000, 3),
                        host_cpu_s_per_1000=round((mine["cpu_s"] - bare["cpu_s"] - mine.get("reductions_cpu_s", 0.0))
                                                  / n_sentences * 1000, 3),
-                       host_outside_forward_cpu_s_per_1000=round(direct / n_sentences * 1000, 3))
+                       host_outside_forward_cpu_s_per_1000=round(direct / n_sentences * 1000, 3),
+                       # bare's CPU over bare's plus the analysis's own costs, each read off its own run (its
+                       # reductions and its host work outside the forwards): the throughput without the forward's
+                       # variation between the two runs
+                       own_costs_ratio=round(bare["cpu_s"] / (bare["cpu_s"] + mine.get("reductions_cpu_s", 0.0)
+                                                              + direct), 3))
             results["analyses"][analysis] = row
             print(f"{analysis}: {len(items)} inputs ({n_sentences} sentences, {pieces} pieces); bare "
                   f"{row['bare']['tokens_per_s']} tok/s ({bare['cpu_s']:.2f} CPU-s, anon peak "
                   f"{bare['anon_peak_mib']} MiB); {analysis} {row['analysis']['tokens_per_s']} tok/s "
                   f"({mine['cpu_s']:.2f} CPU-s, anon peak {mine['anon_peak_mib']} MiB): throughput "
-                  f"{row['throughput_ratio']:.1%} of bare (CPU {row['cpu_ratio']:.1%}), "
+                  f"{row['throughput_ratio']:.1%} of bare (CPU {row['cpu_ratio']:.1%}; bare's forward with the "
+                  f"analysis's own costs {row['own_costs_ratio']:.1%}), "
                   f"{row['extra_cpu_s_per_1000']:+} CPU-s per 1,000 sentences: reductions' tensor operators "
                   f"{row['reductions_cpu_s_per_1000']}, host work {row['host_cpu_s_per_1000']:+} (outside the "
                   f"forwards, each run's own: {row['host_outside_forward_cpu_s_per_1000']:+})" + (f"; GPU peak {mine.get('gpu_peak_gib')} GiB"
