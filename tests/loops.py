@@ -1,6 +1,6 @@
 """What the tests of the extraction stage's own loop share (tests/test_extract_loop.py for attention maps,
 tests/test_hidden_loop.py for hidden states): the sentences and batch bounds, the trainer, an entry's files, the
-loop's worker threads, and a method made to fail at its third call."""
+loop's worker threads, a method made to fail at its third call, and a build made to fail at its third batch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 
 import pytorch_lightning as pl
 
+from probes.extract import cache
 from tests.conftest import WORDS
 
 # words the tiny tokenizers split into several pieces, so that pooling over pieces matters
@@ -49,3 +50,15 @@ def fail_third_call(monkeypatch, owner, name: str, error, calls: list) -> None:
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(owner, name, failing)
+
+
+def fail_third_batch(monkeypatch, where: str, owner, name: str) -> tuple[list, type]:
+    """Make a build fail in its third batch: ``where="writer thread"``, a failing disk in the batch's write
+    (``ShardWriter.write_many``); else Ctrl-C in its forward (``owner.name``). Returns the calls (the thread of
+    each, :func:`fail_third_call`) and the exception the build raises."""
+    calls: list = []
+    if where == "writer thread":
+        fail_third_call(monkeypatch, cache.ShardWriter, "write_many", Boom("disk gone"), calls)
+        return calls, Boom
+    fail_third_call(monkeypatch, owner, name, KeyboardInterrupt, calls)
+    return calls, KeyboardInterrupt

@@ -30,8 +30,7 @@ from probes.model.load import load_encoder
 from probes.model.tiny import tiny_folder
 from tests import reference
 from tests.conftest import ROOT
-from tests.loops import (MAX_LENGTH, MAX_TOKENS, SENTS, TRAINER, Boom, fail_third_call, files,
-                         worker_threads)
+from tests.loops import MAX_LENGTH, MAX_TOKENS, SENTS, TRAINER, fail_third_batch, files, worker_threads
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +146,8 @@ def test_write_many_writes_what_write_writes(tmp_path):
 def test_an_interrupted_build_leaves_no_entry_and_the_next_is_clean(folders, tmp_path, monkeypatch, where):
     enc = load_encoder(str(folders["bert"]))
     key = key_for(enc.name)
-    calls = []
-    if where == "writer thread":  # a failing disk, in the third batch's write
-        fail_third_call(monkeypatch, cache.ShardWriter, "write_many", Boom("disk gone"), calls)
-    else:  # Ctrl-C during the third batch's forward
-        fail_third_call(monkeypatch, MapEngine, "word_maps", KeyboardInterrupt, calls)
-    with pytest.raises(Boom if where == "writer thread" else KeyboardInterrupt):
+    calls, error = fail_third_batch(monkeypatch, where, MapEngine, "word_maps")  # a failing disk, or Ctrl-C in the forward
+    with pytest.raises(error):
         extract(enc, SENTS, key, tmp_path / "a", TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS, loop="own")
     assert len(calls) == 3 and (calls[0] == "cache-writer") == (where == "writer thread")
     final = cache.entry_dir(tmp_path / "a", key)

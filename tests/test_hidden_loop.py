@@ -26,8 +26,7 @@ from probes.model.inputs import length_batches
 from probes.model.load import load_encoder
 from probes.model.tiny import tiny_folder
 from tests import reference
-from tests.loops import (MAX_LENGTH, MAX_TOKENS, SENTS, TRAINER, Boom, fail_third_call, files,
-                         worker_threads)
+from tests.loops import MAX_LENGTH, MAX_TOKENS, SENTS, TRAINER, fail_third_batch, files, worker_threads
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +130,8 @@ def test_own_loop_writes_lightnings_entry_byte_for_byte(folders, tmp_path, monke
 def test_an_interrupted_build_leaves_no_entry_and_the_next_is_clean(folders, tmp_path, monkeypatch, where):
     enc = load_encoder(str(folders["bert"]))
     key = key_for(enc.name)
-    calls = []
-    if where == "writer thread":  # a failing disk, in the third batch's write
-        fail_third_call(monkeypatch, cache.ShardWriter, "write_many", Boom("disk gone"), calls)
-    else:  # Ctrl-C during the third batch's forward
-        fail_third_call(monkeypatch, HiddenExtractor, "word_states", KeyboardInterrupt, calls)
-    with pytest.raises(Boom if where == "writer thread" else KeyboardInterrupt):
+    calls, error = fail_third_batch(monkeypatch, where, HiddenExtractor, "word_states")  # a failing disk, or Ctrl-C in the forward
+    with pytest.raises(error):
         build(enc, tmp_path / "a", key, loop="own")
     assert len(calls) == 3 and (calls[0] == "cache-writer") == (where == "writer thread")
     final = hidden_entry_dir(tmp_path / "a", key)

@@ -165,17 +165,29 @@ def feature_groups(input_ids: Sequence[int], word_of_piece: Sequence[int], words
     return out
 
 
+def check_relation(relation: Mapping, where: str = "relation") -> None:
+    """A ValueError naming ``where`` unless ``relation`` has a source rule, a link ``head`` or ``any`` (``any``
+    with a target rule) and rules of known keys (:func:`clauses`)."""
+    if "source" not in relation:
+        raise ValueError(f"{where}: no source rule")
+    link = relation.get("link", "head")
+    if link not in ("head", "any"):
+        raise ValueError(f"{where}.link must be 'head' or 'any', got {link!r}")
+    if link == "any" and not relation.get("target"):
+        raise ValueError(f"{where}: a relation of link 'any' needs a target rule")
+    for end in ("source", "target"):
+        if relation.get(end):
+            clauses(relation[end])  # unknown rule keys
+
+
 def relation_pairs(word_of_piece: Sequence[int], words: Sequence[Mapping], relation: Mapping
                    ) -> list[tuple[list[int], list[int]]]:
     """(source pieces, target pieces) of every linked word pair of one relation (see the package doc;
     :func:`rule_matrix`)."""
+    check_relation(relation)
     pieces_of = _pieces_of(word_of_piece)
     present = sorted(pieces_of)
     link = relation.get("link", "head")
-    if link not in ("head", "any"):
-        raise ValueError(f"relation link must be 'head' or 'any', got {relation['link']!r}")
-    if link == "any" and not relation.get("target"):
-        raise ValueError("a relation of link 'any' needs a target rule")
     ends = [relation["source"]] + ([relation["target"]] if relation.get("target") else [])
     matches = rule_matrix([words], ends)  # (n, 1 or 2) source (, target)
     src = [w for w in present if matches[w, 0]]
@@ -227,15 +239,6 @@ class KindRules:
         features = {k: clauses(v) for k, v in plain(features).items()}
         rels = {k: dict(v) for k, v in (plain(relations) if relations is not None else KOVALEVA_RELATIONS).items()}
         for name, rel in rels.items():  # refused here, before any model is loaded
-            where = f"analysis.relations.{name}"
-            if "source" not in rel:
-                raise ValueError(f"{where}: no source rule")
-            if rel.get("link", "head") not in ("head", "any"):
-                raise ValueError(f"{where}.link must be 'head' or 'any', got {rel['link']!r}")
-            if rel.get("link", "head") == "any" and not rel.get("target"):
-                raise ValueError(f"{where}: a relation of link 'any' needs a target rule")
-            for end in ("source", "target"):
-                if rel.get(end):
-                    clauses(rel[end])  # unknown rule keys
+            check_relation(rel, f"analysis.relations.{name}")
         miss = {f: (plain(missing_by_feature) or {}).get(f, missing) for f in features}
         return cls(feature_set, features, rels, piece_pooling, miss, relation_missing)

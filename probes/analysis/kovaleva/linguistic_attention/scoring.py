@@ -13,7 +13,7 @@ import torch
 from probes.analysis.kovaleva.common import FINETUNED, PRETRAINED, checkpoint_for, variants
 from probes.analysis.kovaleva.linguistic_attention.examples import (ExampleSelection, LabelledExample,
                                                                     glue_items, load_spacy, treebank_items)
-from probes.analysis.kovaleva.linguistic_attention.rules import KindRules, clauses, rule_matrix
+from probes.analysis.kovaleva.linguistic_attention.rules import KindRules, check_relation, clauses, rule_matrix
 from probes.data.glue import read_glue, task_spec
 from probes.maps import MapEngine
 from probes.maps.spans import Spans, block_max, column_reduce, concat_ranges, positions_of, segment_max
@@ -87,7 +87,7 @@ class FeatureAccumulator:
                 if c is not None:
                     self._cls[f].append(np.asarray(c, dtype=np.float64)[None])
             elif self.missing[f] == "zero":
-                self._keep(f, 1, np.array([k]), present=False)
+                self._keep(f, 1, np.array([k]), present=0)
 
     def add_batch(self, scores: np.ndarray, has: np.ndarray, cls: np.ndarray | None = None,
                   index: np.ndarray | None = None) -> None:
@@ -229,6 +229,8 @@ class _ExamplePlan:
         # groups: (example, kind, span) rows
         rules_of = [rules.features[name] for name in kinds]
         special = [next((c["special"] for c in clauses(r) if "special" in c), None) for r in rules_of]
+        for rel in relations:
+            check_relation(rel)
         ends = [[rel["source"]] + ([rel["target"]] if rel.get("target") else []) for rel in relations]
         every = rule_matrix([it.words for it in items], rules_of + [e for pair in ends for e in pair])
         every &= present[:, None]  # (W, K + the relations' rules): words with pieces only
@@ -260,8 +262,6 @@ class _ExamplePlan:
         column = K
         for r, relation in enumerate(relations):
             link = relation.get("link", "head")
-            if link not in ("head", "any"):
-                raise ValueError(f"relation link must be 'head' or 'any', got {link!r}")
             m = every[:, column:column + len(ends[r])]  # (W, 1 or 2) source (, target)
             column += len(ends[r])
             if link == "head":
@@ -271,9 +271,7 @@ class _ExamplePlan:
                     ok[ok] &= m[head[ok], 1]
                 a = np.nonzero(ok)[0]
                 b = head[a]
-            else:
-                if m.shape[1] < 2:
-                    raise ValueError("a relation of link 'any' needs a target rule")
+            else:  # link "any": a target rule (check_relation)
                 s_words, t_words = np.nonzero(m[:, 0])[0], np.nonzero(m[:, 1])[0]
                 t_count = np.bincount(example_of_word[t_words], minlength=n)  # (N,)
                 t_start = np.cumsum(t_count) - t_count
