@@ -378,7 +378,8 @@ def test_a_bad_relation_is_refused_before_the_model_loads(relation, message, mon
 
 def test_add_batch_is_one_add_per_example():
     """A batch of examples (scores of every kind, which kinds each has, [CLS] rows, indices out of order) kept as
-    the same examples added one at a time: per-example scores and indices, counts, means, [CLS]-row means."""
+    the same examples added one at a time, and as plain loops over the examples: per-example scores and indices,
+    counts, means, [CLS]-row means."""
     rng = np.random.default_rng(0)
     N, L, H = 9, 2, 3
     feats = ["nouns", "negation", "pronouns"]
@@ -403,5 +404,14 @@ def test_add_batch_is_one_add_per_example():
         else:
             assert batch.cls_mean(f) is one.cls_mean(f) is None
     assert np.allclose(batch.mean("pronouns"), 0.0)  # absent everywhere, counted as 0
+    for i, f in enumerate(feats):  # and against plain loops over the examples, not the accumulator's code
+        rows = [(int(index[n]), scores[n, i] if has[n, i] else np.zeros((L, H)))
+                for n in range(N) if has[n, i] or missing[f] == "zero"]
+        got, idx = batch.per_example(f)
+        assert idx.tolist() == [k for k, _ in rows]
+        np.testing.assert_array_equal(got, np.stack([v for _, v in rows]))
+        kept = [cls[n, i] for n in range(N) if has[n, i]]
+        if kept:
+            np.testing.assert_allclose(batch.cls_mean(f), sum(kept) / len(kept), rtol=1e-12)
     with pytest.raises(ValueError, match="expected scores"):
         batch.add_batch(scores[:, :2], has[:, :2])
