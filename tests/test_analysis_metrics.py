@@ -446,7 +446,7 @@ def test_most_attended_rows_equals_a_loop_over_the_chosen_rows(dtype):
     maps[2, :, :, 3, 1:3] = 2.0  # a tie between words 0 and 1 in row 2 of item 2, above all else: the first wins
     item = torch.tensor([0, 0, 1, 2, 2, 3, 2])
     word = torch.tensor([0, 2, 0, 2, 5, 3, 0])
-    got = most_attended_rows(maps, n, item, word)
+    got = most_attended_rows(maps[item, :, :, word + 1], n[item], word)  # the chosen rows alone
     assert got.shape == (7, 2, 3) and got.dtype == torch.long
     for m in range(7):
         b, j = int(item[m]), int(word[m])

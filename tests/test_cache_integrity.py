@@ -132,6 +132,21 @@ def test_an_entry_without_checksums_is_damaged(entry):
     assert e.value.entry == entry and e.value.file == "manifest.json"
 
 
+def test_a_shard_truncated_after_opening_is_an_error_not_a_crash(entry):
+    """A shard cut short after the entry was opened and verified: reading the sentence beyond the cut, whole or a
+    few rows of it (a memory map would fault past the file's end), is CacheDamaged naming the sentence; the
+    sentences before it still read."""
+    cache = C.AttentionCache(entry)
+    last = max(range(len(cache)), key=lambda i: cache._where[i, 1] if i in cache else -1)
+    first = min((i for i in range(len(cache)) if i in cache), key=lambda i: cache._where[i, 1])
+    whole = np.asarray(cache[first])  # (L, H, W, W)
+    _truncate(entry / "maps-r0.f16")
+    for read in (lambda: cache[last], lambda: cache.rows(last, [0, 1])):
+        with pytest.raises(C.CacheDamaged, match=f"truncated at sentence {last}"):
+            read()
+    np.testing.assert_array_equal(cache.rows(first, [2, 0]), whole[:, :, [2, 0]].transpose(2, 0, 1, 3))
+
+
 def test_hidden_state_entries_have_checksums_too(built, tmp_path):
     cfg, _, _ = built
     tb = instantiate(cfg.data.treebank)

@@ -1,6 +1,6 @@
-"""dep_heads and coref_heads scored a batch of cached word maps at a time (``probes.analysis.cached.word_map_batches``,
-``DepAccumulator.add_batch``, ``CorefAccumulator.add_batch``: padded maps, batched tensor operations), against plain
-per-sentence loops written here.
+"""dep_heads and coref_heads scored a batch of cached word maps at a time (``probes.analysis.cached.word_map_batches``
+and ``word_row_batches``, ``DepAccumulator.add_batch``, ``CorefAccumulator.add_batch``: padded maps or rows, batched
+tensor operations), against plain per-sentence loops written here.
 
 The maps are those of a real attention cache of tiny random models (an encoder and a decoder) over the first UD
 EWT dev sentences, some too long for the model (skipped by the cache, left out on both sides); batches are made
@@ -16,7 +16,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from probes.analysis.cached import word_map_batches
+from probes.analysis.cached import word_map_batches, word_row_batches
 from probes.analysis.clark import dep_heads
 from probes.analysis.clark.coref_heads import GROUPS, CorefAccumulator, EvaluatedMention, MentionLabels
 from probes.data.sources import Treebank
@@ -118,6 +118,34 @@ def test_word_map_batches_pad_with_zeros_and_cover_each_entry_once(cached):
         list(word_map_batches(cache, [seen[0]], [n_words[seen[0]] + 1], progress=False))
 
 
+def test_word_row_batches_hold_the_chosen_rows_padded_with_zeros(cached):
+    """Each entry's chosen rows (any order, repeats, [CLS] and [SEP] rows) are those of its whole maps read from the
+    cache, in batch order, zeros beyond its side; every held entry once; a bad side or row is refused."""
+    _, cache, sentences = cached
+    n_words = [len(s.words) for s in sentences]
+    rng = np.random.default_rng(1)
+    rows = [list(rng.integers(0, n + 2, size=int(rng.integers(1, 5)))) + [0, n + 1] for n in n_words]
+    seen, mixed = [], False
+    for batch, maps, n in word_row_batches(cache, range(len(sentences)), n_words, rows, budget_mb=0.05,
+                                           progress=False):
+        assert maps.dtype == torch.float16 and n.tolist() == [n_words[i] for i in batch]
+        assert len(maps) == sum(len(rows[i]) for i in batch)
+        mixed |= len(set(n.tolist())) > 1
+        r0 = 0
+        for i in batch:
+            whole, W = np.asarray(cache[i]), n_words[i] + 2  # (L, H, W, W)
+            for k, r in enumerate(rows[i]):
+                np.testing.assert_array_equal(maps[r0 + k, :, :, :W].numpy(), whole[:, :, r, :])
+                assert not maps[r0 + k, :, :, W:].any()
+            r0 += len(rows[i])
+        seen += batch
+    assert mixed and sorted(seen) == [i for i in range(len(sentences)) if i in cache]
+    with pytest.raises(ValueError, match="expected"):  # words that do not match the entry's side
+        list(word_row_batches(cache, [seen[0]], [n_words[seen[0]] + 1], [[0]], progress=False))
+    with pytest.raises(IndexError, match=f"no row {n_words[seen[0]] + 2}"):
+        cache.rows(seen[0], [1, n_words[seen[0]] + 2])
+
+
 def test_coref_batches_equal_per_mention_loops(cached):
     """Mentions drawn at random in each cached sentence (as if it were a segment): the batched counts equal a loop
     over the mentions, and the per-segment ``add`` gives the same."""
@@ -153,12 +181,13 @@ def test_coref_batches_equal_per_mention_loops(cached):
     for its in items:
         batched.add_mentions(its)
     mixed = False
-    for batch, maps, n in word_map_batches(cache, [segs[k] for k in scored],
-                                           [len(sentences[segs[k]].words) for k in scored], budget_mb=0.05,
+    for batch, rows, n in word_row_batches(cache, [segs[k] for k in scored],
+                                           [len(sentences[segs[k]].words) for k in scored],
+                                           [[it.head + 1 for it in items[k]] for k in scored], budget_mb=0.05,
                                            progress=False):
         mixed |= len(set(n.tolist())) > 1
         index = torch.as_tensor([scored[[segs[k] for k in scored].index(i)] for i in batch])
-        batched.add_batch(maps, n, labels, index)
+        batched.add_batch(rows, n, labels, index)
     assert mixed  # padded batches
     for i, its in zip(segs, items):
         single.add(np.asarray(cache[i]), its)

@@ -12,6 +12,7 @@ EWT sentences, clustering's tables equal the per-sentence computation it replace
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from probes.analysis.clark.head_stats import encode_inputs, separator_positions
 from probes.analysis.clark.metrics import HeadStatsAccumulator, PunctFlags, smooth
 from probes.data.conllu import read_conllu
 from probes.maps import HeadDistances, MapEngine
+from probes.maps.reducers import log_into
 from probes.measures import Measure
 from probes.measures.attention import Attention
 from probes.model.inputs import Encoded
@@ -257,3 +259,19 @@ def test_minilm_tables_equal_the_per_sentence_computation(tmp_path):
     assert emb.behaviour.tolist() == labels.reshape(-1).tolist()
     assert res.summary["n_sequences"] == len(encoded) and res.summary["n_input_sentences"] == 64
     assert res.summary["n_sentences"] + res.summary["n_unpaired"] == 64  # pairs within documents; none too long
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_log_into_is_the_logarithm(dtype):
+    """``log_into`` (numpy's log on a CPU, in place into ``out``) equals ``math.log`` of every value within a few
+    units in the last place, over 1e-30 .. 1e3 (the smoothed probabilities' range and beyond), 1 exactly 0, on
+    contiguous and strided tensors."""
+    x = torch.logspace(-30, 3, 20_001, dtype=torch.float64).to(dtype)  # (N,)
+    x[::1000] = 1.0
+    eps = torch.finfo(dtype).eps
+    for src, out in ((x, torch.empty_like(x)), (x[::3], torch.empty(2 * len(x[::3]), dtype=dtype)[::2])):  # strided
+        assert log_into(src, out) is out
+        want = torch.tensor([math.log(float(v)) for v in src], dtype=torch.float64)
+        err = (out.double() - want).abs() / want.abs().clamp_min(1.0)
+        assert err.max() <= 4 * eps, float(err.max())
+        assert (out[src == 1.0] == 0).all()

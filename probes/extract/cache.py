@@ -30,6 +30,8 @@ import hashlib
 import io
 import json
 import logging
+import math
+import mmap
 import os
 import shlex
 import shutil
@@ -37,7 +39,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 from filelock import FileLock, Timeout
@@ -398,14 +400,40 @@ class CacheEntry:
         """The float16 block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors), copied
         from disk into a writable buffer (``os.preadv``, not a memory map, so pages of a cache larger than memory
         never accumulate in the reading process); :class:`CacheDamaged` when the shard ends early."""
-        if self._fds is None:
-            self._fds = [os.open(self.path / s, os.O_RDONLY) for s in self.manifest["shards"]]
         out = np.empty(shape, dtype=np.float16)  # writable, not zeroed: it can go to torch without a copy
         nbytes = out.nbytes
-        if os.preadv(self._fds[shard], [out], 2 * offset) != nbytes:
+        if os.preadv(self._fd(shard), [out], 2 * offset) != nbytes:
             raise CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
                                self.manifest.get("command") or build_command(self.manifest.get("key", {})))
         return out
+
+    def _take(self, i: int, shard: int, offset: int, shape: tuple[int, ...], index: np.ndarray, axis: int,
+              out: np.ndarray) -> np.ndarray:
+        """``np.take(block, index, axis)`` written into ``out`` (float16, any strides; the indices checked by the
+        caller) of the block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors), reading
+        only the pages that hold the taken elements: the block is memory-mapped and the map closed before returning
+        (its pages never stay mapped in the reading process; a complete entry's files are never written again, so
+        the map cannot shrink under the reader); :class:`CacheDamaged` when the shard ends early. On a 2-vCPU AMD
+        EPYC Zen 4, coref_heads' 2,240 mention rows of 47 GUM dev segments of MiniLM (1.04 GB of maps in the page
+        cache): 0.05 CPU-s against 0.14 for reading the whole maps."""
+        fd = self._fd(shard)
+        start, nbytes = 2 * offset, 2 * math.prod(shape)
+        if os.fstat(fd).st_size < start + nbytes:
+            raise CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
+                               self.manifest.get("command") or build_command(self.manifest.get("key", {})))
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(fd, start + nbytes - base, prot=mmap.PROT_READ, offset=base)
+        try:  # the view is a temporary of this one expression: no buffer of the map outlives it
+            np.take(np.frombuffer(m, np.float16, math.prod(shape), start - base).reshape(shape), index, axis, out,
+                    mode="clip")
+        finally:
+            m.close()
+        return out
+
+    def _fd(self, shard: int) -> int:
+        if self._fds is None:
+            self._fds = [os.open(self.path / s, os.O_RDONLY) for s in self.manifest["shards"]]
+        return self._fds[shard]
 
     def __getstate__(self):
         return dict(self.__dict__, _fds=None)
@@ -430,3 +458,25 @@ class AttentionCache(CacheEntry):
         """(L, H, W, W) float16 maps of sentence i, read from disk on each call."""
         shard, offset, side = self._locate(i)
         return self._read(i, shard, offset, (self.num_layers, self.num_heads, side, side))
+
+    def side(self, i: int) -> int:
+        """W of sentence i's maps (its words + 2), without reading them; KeyError when skipped."""
+        return self._locate(i)[2]
+
+    def rows(self, i: int, rows: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """(R, L, H, W) float16: the rows ``rows`` (positions 0..W-1 of the word map, [CLS] at 0; any order,
+        repeats allowed) of sentence i's maps, every layer and head, reading only the pages that hold them
+        (:meth:`CacheEntry._take`), written into ``out`` when given (an (R, L, H, W) float16 array, any strides:
+        e.g. part of a padded batch); an IndexError names a row outside 0..W-1."""
+        shard, offset, side = self._locate(i)
+        r = np.asarray(rows, dtype=np.intp).reshape(-1)  # (R,)
+        if r.size and (r.min() < 0 or r.max() >= side):
+            bad = int(r[(r < 0) | (r >= side)][0])
+            raise IndexError(f"cache {self.path}: sentence {i} has word maps of side {side}, no row {bad}")
+        L, H = self.num_layers, self.num_heads
+        if out is None:
+            out = np.empty((len(r), L, H, side), dtype=np.float16)  # (R, L, H, W)
+        elif out.shape != (len(r), L, H, side) or out.dtype != np.float16:
+            raise ValueError(f"out: {out.dtype} {out.shape}, expected float16 {(len(r), L, H, side)}")
+        self._take(i, shard, offset, (L, H, side, side), r, 2, out.transpose(1, 2, 0, 3))  # into (L, H, R, W)
+        return out

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from probes.model.inputs import Encoded, check_pooling
@@ -39,6 +40,17 @@ UnitFn = Callable[[int, Encoded], tuple[Sequence[int], int]]
 FlagFn = Callable[[int, Encoded], Sequence[bool]]
 
 FLOAT_BYTES = 4  # the states are float32 (statistics: float64, small)
+
+
+def log_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = log(x)`` elementwise (``out`` of ``x``'s shape, dtype and device; returned). On a CPU through numpy's
+    vectorised log, which shares the tensors' memory (2-vCPU AMD EPYC Zen 4, one thread, float32 in the caches:
+    0.25-0.4 ns an element against 0.8-1.2 for ``torch.log``; both within a few units in the last place), elsewhere
+    ``torch.log``."""
+    if x.device.type == "cpu":
+        np.log(x.numpy(), out=out.numpy())
+        return out
+    return torch.log(x, out=out)
 
 
 def word_units(k: int, item: Encoded) -> tuple[list[int], int]:
@@ -416,7 +428,7 @@ class HeadStats(Reducer):
         cn = (self.n_t - lo).clamp(0, c)  # (B,) the item's real keys in the block
         x = torch.add(p, self.c.float()[:, None, None, None])  # (B, H, q, c)
         if s > 0:  # x > 0: entr(x) = -x log x, as log then an in-place product (twice entr's speed on a CPU)
-            y = torch.log(x)
+            y = log_into(x, torch.empty_like(x))
             block = y.mul_(x).sum(-1).double().neg_()  # (B, H, q)
             del y
         else:
@@ -640,6 +652,8 @@ class HeadDistances(Reducer):
         buf_t = buf_l = None
         for i, j, Tr in self._runs():
             xr, n = x[i:j, :, :Tr, :Tr], j - i  # (n, K, T', T')
+            if Tr < T:  # a contiguous copy (K / 2 times fewer elements than the pairs read): the sums below run on
+                xr = xr.contiguous()  # contiguous rows, three times faster than strided ones on a CPU
             if n * Tr * Tr <= chunk:
                 heads, rows = chunk // (n * Tr * Tr), Tr
             else:
@@ -658,7 +672,7 @@ class HeadDistances(Reducer):
                         if exact_zeros:
                             torch.special.xlogy(t, t, out=tlt)
                         else:  # t > 0: log then an in-place product (faster than xlogy on a CPU)
-                            torch.log(t, out=tlt).mul_(t)
+                            log_into(t, tlt).mul_(t)
                         out[i:j, a, b0:b0 + heads] += tlt.sum(-1).sum(-1, dtype=torch.float64)  # rows: float64
         return out
 

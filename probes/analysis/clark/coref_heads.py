@@ -48,10 +48,11 @@ hits), ``coref_heads.png``, ``summary.json``.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ import pandas as pd
 import torch
 
 from probes.analysis import plots
-from probes.analysis.cached import word_map_batches
+from probes.analysis.cached import word_row_batches
 from probes.analysis.clark.metrics import most_attended, most_attended_rows
 from probes.analysis.naming import head_name, model_layers
 from probes.data.coref import (CorefDocument, Mention, pronoun_features, read_gum_coref, read_litbank,
@@ -77,7 +78,6 @@ log = logging.getLogger(__name__)
 
 MENTION_TYPES = ("pronoun", "proper", "nominal")
 GROUPS = ("all",) + MENTION_TYPES
-BASELINES = ("nearest", "head_match", "rule_based")
 SEGMENT_FORMAT = 1  # bump when the segmentation rule changes (part of the cache key)
 
 
@@ -147,21 +147,61 @@ def segment_document(pieces: list[int], max_length: int, doc: int = 0,
 
 
 # ----------------------------------------------------------------------------- mention features
-def _agreement_features(doc: CorefDocument) -> dict[tuple[int, int], tuple]:
-    """(person, number, animacy) per mention key; None where unknown."""
-    number = [n for s in doc.sentences for n in (s.number or (None,) * len(s.words))]
-    words = doc.words
-    out = {}
-    for m in doc.mentions:
-        if m.mtype == "pronoun":
-            person, num, gender = pronoun_features(words[m.head])
-            anim = None if gender is None else gender in ("m", "f")
-        else:
-            person, gender = 3, None
-            num = {"Sing": "sg", "Plur": "pl"}.get(number[m.head] or "")
-            anim = None if m.etype in (None, "animal") else m.etype == "person"
-        out[m.key] = (person, num, anim)
-    return out
+@dataclass
+class SegmentMentions:
+    """The mentions inside a segment, sorted by (start, end), with what the baselines compare, computed once per
+    mention: ``head_word`` its head word and ``text`` its words, lowercased; ``feats`` (person, number, animacy),
+    None where unknown (pronoun lexicon; otherwise person 3, UD ``Number`` of the head, GUM entity type:
+    ``person`` animate, other types except ``animal`` inanimate). The candidates of mention k are the mentions
+    before it whose head word (position) differs from its own (:meth:`latest`)."""
+
+    mentions: list[Mention]
+    head_word: list[str]
+    text: list[str]
+    feats: list[tuple]
+
+    def __post_init__(self):
+        self._heads = [m.head for m in self.mentions]
+        self._by: dict[str, dict[str, list[int]]] = {}
+        for key in ("head_word", "text"):  # value -> the mentions holding it, ascending
+            groups: dict[str, list[int]] = {}
+            for k, v in enumerate(getattr(self, key)):
+                groups.setdefault(v, []).append(k)
+            self._by[key] = groups
+
+    @classmethod
+    def of(cls, doc: CorefDocument, seg: Segment) -> SegmentMentions:
+        sents = doc.sentences[seg.first_sentence:seg.last_sentence]
+        words = [w for s in sents for w in s.words]  # the segment's words (local index = document index - start)
+        number = [n for s in sents for n in (s.number or (None,) * len(s.words))]
+        o = seg.word_start
+        inside = sorted((m for m in doc.mentions if seg.word_start <= m.start and m.end < seg.word_end),
+                        key=lambda m: (m.start, m.end))
+        feats = []
+        for m in inside:
+            if m.mtype == "pronoun":
+                person, num, gender = pronoun_features(words[m.head - o])
+                anim = None if gender is None else gender in ("m", "f")
+            else:
+                person, num = 3, {"Sing": "sg", "Plur": "pl"}.get(number[m.head - o] or "")
+                anim = None if m.etype in (None, "animal") else m.etype == "person"
+            feats.append((person, num, anim))
+        return cls(inside, [words[m.head - o].lower() for m in inside],
+                   [" ".join(words[m.start - o:m.end + 1 - o]).lower() for m in inside], feats)
+
+    def latest(self, k: int, among: Iterable[int] | None = None) -> int | None:
+        """The closest candidate of mention k (None: none): among ``among`` (indices before k, closest first), else
+        among all mentions before k."""
+        h = self._heads[k]
+        for c in (range(k - 1, -1, -1) if among is None else among):
+            if self._heads[c] != h:
+                return c
+        return None
+
+    def same(self, key: str, k: int) -> Iterator[int]:
+        """The mentions before k with the same ``key`` (``head_word`` or ``text``) as k, closest first."""
+        group = self._by[key][getattr(self, key)[k]]
+        return (group[j] for j in range(bisect.bisect_left(group, k) - 1, -1, -1))
 
 
 def _agree(a: tuple, b: tuple) -> bool:
@@ -169,33 +209,34 @@ def _agree(a: tuple, b: tuple) -> bool:
 
 
 # ----------------------------------------------------------------------------- baselines
-def nearest(m: Mention, cands: list[Mention]) -> int:
-    """Head word of the closest preceding candidate (candidates sorted by (start, end))."""
-    return cands[-1].head
+# Each chooses a candidate of mention k of a segment's :class:`SegmentMentions` (one exists).
+def nearest(k: int, ms: SegmentMentions) -> int:
+    """The closest preceding candidate."""
+    return ms.latest(k)
 
 
-def head_match(m: Mention, cands: list[Mention], words: list[str]) -> int:
-    hw = words[m.head].lower()
-    for c in reversed(cands):
-        if words[c.head].lower() == hw:
-            return c.head
-    return nearest(m, cands)
+def head_match(k: int, ms: SegmentMentions) -> int:
+    """The closest candidate with the same head word (lowercased), else :func:`nearest`."""
+    c = ms.latest(k, ms.same("head_word", k))
+    return nearest(k, ms) if c is None else c
 
 
-def rule_based(m: Mention, cands: list[Mention], words: list[str], feats: dict | None = None) -> int:
-    text = " ".join(words[m.start:m.end + 1]).lower()
-    for c in reversed(cands):
-        if " ".join(words[c.start:c.end + 1]).lower() == text:
-            return c.head
-    hw = words[m.head].lower()
-    for c in reversed(cands):
-        if words[c.head].lower() == hw:
-            return c.head
-    if m.mtype == "pronoun" and feats is not None:
-        for c in reversed(cands):
-            if _agree(feats[m.key], feats[c.key]):
-                return c.head
-    return nearest(m, cands)
+def rule_based(k: int, ms: SegmentMentions) -> int:
+    """The closest candidate with the same text, else the same head word (lowercased), else (pronouns only) agreeing
+    in person, number and animacy where both are known, else :func:`nearest`."""
+    for key in ("text", "head_word"):
+        c = ms.latest(k, ms.same(key, k))
+        if c is not None:
+            return c
+    if ms.mentions[k].mtype == "pronoun":
+        c = ms.latest(k, (c for c in range(k - 1, -1, -1) if _agree(ms.feats[k], ms.feats[c])))
+        if c is not None:
+            return c
+    return nearest(k, ms)
+
+
+BASELINE_RULES = dict(nearest=nearest, head_match=head_match, rule_based=rule_based)
+BASELINES = tuple(BASELINE_RULES)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -213,21 +254,17 @@ class EvaluatedMention:
 
 def segment_items(doc: CorefDocument, seg: Segment, seg_index: int) -> list[EvaluatedMention]:
     """The mentions of ``seg`` that have an antecedent (different head) in it, with baseline predictions."""
-    words = doc.words
-    inside = [m for m in doc.mentions if seg.word_start <= m.start and m.end < seg.word_end]
-    inside.sort(key=lambda m: (m.start, m.end))
-    feats = _agreement_features(doc)
-    items = []
+    ms = SegmentMentions.of(doc, seg)
+    inside, o = ms.mentions, seg.word_start
+    items, cluster_heads = [], {}  # cluster -> the head words of its mentions so far
     for k, m in enumerate(inside):
-        before = [c for c in inside[:k] if c.head != m.head]
-        ants = frozenset(c.head for c in before if c.cluster == m.cluster)
+        seen = cluster_heads.setdefault(m.cluster, [])
+        ants = frozenset(h - o for h in seen if h != m.head)
+        seen.append(m.head)
         if not ants:
             continue
-        preds = dict(nearest=nearest(m, before), head_match=head_match(m, before, words),
-                     rule_based=rule_based(m, before, words, feats))
-        o = seg.word_start
-        items.append(EvaluatedMention(doc.doc_id, seg_index, m.head - o, m.mtype,
-                                      frozenset(a - o for a in ants), {b: p - o for b, p in preds.items()}))
+        items.append(EvaluatedMention(doc.doc_id, seg_index, m.head - o, m.mtype, ants,
+                                      {b: inside[rule(k, ms)].head - o for b, rule in BASELINE_RULES.items()}))
     return items
 
 
@@ -269,13 +306,15 @@ class MentionLabels:
         return self
 
     def batch(self, index: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(b, head, group, antecedent) of the mentions of the segments ``index`` (B,): b (M',) the position of
-        each one's segment in ``index``, head, group (M',), antecedent (M', N + 1) bool: column w + 1 is True when
-        local word w heads one of the mention's antecedents (column 0: ROOT, never)."""
+        """(b, head, group, antecedent) of the mentions of the segments ``index`` (B,), in the order of ``index``
+        (each segment's mentions in their own order): b (M',) the position of each one's segment in ``index``, head,
+        group (M',), antecedent (M', N + 1) bool: column w + 1 is True when local word w heads one of the mention's
+        antecedents (column 0: ROOT, never)."""
         where = torch.full((self.n_segments,), -1, dtype=torch.long, device=index.device)
         where[index] = torch.arange(len(index), device=index.device)  # (S,) position in the batch, -1: not in it
         b = where[self.segment]  # (M,)
-        mine = (b >= 0).nonzero()[:, 0]  # (M',) the batch's mentions
+        mine = (b >= 0).nonzero()[:, 0]  # (M',) the batch's mentions, in segment order
+        mine = mine[torch.sort(b[mine], stable=True).indices]  # (M',) in the order of index
         local = torch.full_like(self.segment, -1)
         local[mine] = torch.arange(len(mine), device=index.device)  # (M,) row among them
         pairs = local[self.pair_mention]  # (A,)
@@ -286,8 +325,8 @@ class MentionLabels:
 
 class CorefAccumulator:
     """Correct counts per (mention type, layer, head) and per baseline: the baselines and the per-mention rows
-    from the mentions alone (:meth:`add_mentions`), the heads from the segments' word maps a batch at a time
-    (:meth:`add_batch`, sums kept on the maps' device); :meth:`add`: one segment, both."""
+    from the mentions alone (:meth:`add_mentions`), the heads from the mention heads' rows of the segments' word maps
+    a batch at a time (:meth:`add_batch`, sums kept on the maps' device); :meth:`add`: one segment, both."""
 
     def __init__(self, num_layers: int, num_heads: int):
         self.L, self.H = num_layers, num_heads
@@ -302,8 +341,10 @@ class CorefAccumulator:
             return
         self.add_mentions(items)
         if attn is not None:
-            a = torch.as_tensor(np.asarray(attn, dtype=np.float32))[None]  # (1, L, H, W, W)
-            self.add_batch(a, torch.tensor([a.shape[-1] - 2]), MentionLabels([items]), torch.zeros(1, dtype=torch.long))
+            a = torch.as_tensor(np.asarray(attn, dtype=np.float32))  # (L, H, W, W)
+            rows = a[:, :, [it.head + 1 for it in items]].permute(2, 0, 1, 3)  # (M, L, H, W) the mention heads' rows
+            self.add_batch(rows, torch.tensor([a.shape[-1] - 2]), MentionLabels([items]),
+                           torch.zeros(1, dtype=torch.long))
 
     def add_mentions(self, items: list[EvaluatedMention]) -> None:
         """The counts, baseline hits and rows of ``items`` (no maps)."""
@@ -316,14 +357,18 @@ class CorefAccumulator:
             self.rows.append(dict(doc_id=it.doc_id, segment=it.segment, head_word=it.head, mention_type=it.mtype,
                                   n_antecedents=len(it.antecedent_heads), **hit))
 
-    def add_batch(self, maps: torch.Tensor, n_words: torch.Tensor, labels: MentionLabels, index: torch.Tensor) -> None:
-        """maps: (B, L, H, W, W) word maps of the segments ``index`` (B,) of ``labels``, padded to W (segment b's
-        n_words[b] words at 1..n_b); counts every mention whose head word's most-attended other word heads one of
-        its antecedents."""
-        b, head, group, ante = labels.batch(index, maps.shape[-1] - 2)  # (M',) x 3, (M', N + 1)
-        mention = most_attended_rows(maps, n_words, b, head)  # (M', L, H) 1-based: the mention heads' rows only
+    def add_batch(self, rows: torch.Tensor, n_words: torch.Tensor, labels: MentionLabels, index: torch.Tensor
+                  ) -> None:
+        """rows: (M', L, H, W) the mention heads' rows (row head + 1) of the word maps of the segments ``index``
+        (B,) of ``labels``, in the order of :meth:`MentionLabels.batch` (segment b's n_words[b] words at columns
+        1..n_b, padded to W; :func:`~probes.analysis.cached.word_row_batches`); counts every mention whose head
+        word's most-attended other word heads one of its antecedents."""
+        b, head, group, ante = labels.batch(index, rows.shape[-1] - 2)  # (M',) x 3, (M', N + 1)
+        if len(b) != len(rows):
+            raise ValueError(f"{len(rows)} rows for the {len(b)} mentions of the batch's segments")
+        mention = most_attended_rows(rows, n_words.to(rows.device)[b], head)  # (M', L, H) 1-based
         hit = ante.gather(1, mention.reshape(len(b), -1)).view(len(b), self.L, self.H).long()  # (M', L, H)
-        add = torch.zeros(len(GROUPS), self.L, self.H, dtype=torch.long, device=maps.device)  # (G, L, H)
+        add = torch.zeros(len(GROUPS), self.L, self.H, dtype=torch.long, device=rows.device)  # (G, L, H)
         add.index_add_(0, group, hit)
         add[0] = hit.sum(0)  # all
         self._correct = add if self._correct is None else self._correct + add
@@ -465,9 +510,9 @@ def document_segments(tokenizer, docs: list[CorefDocument], max_length: int) -> 
 def evaluate(cache, docs: list[CorefDocument], segments: list[Segment], device: str | torch.device = "cpu",
              progress: bool = True) -> CorefAccumulator:
     """Every head and baseline on the segments' evaluated mentions (:func:`segment_items`): the heads from the
-    cache's word maps of the segments (entry i: segment i), a batch of segments at a time on ``device``
-    (:func:`~probes.analysis.cached.word_map_batches`, :meth:`CorefAccumulator.add_batch`); a KeyError when a
-    segment with mentions is not in the cache."""
+    cache's word maps of the segments (entry i: segment i), the mention heads' rows only, a batch of segments at a
+    time on ``device`` (:func:`~probes.analysis.cached.word_row_batches`, :meth:`CorefAccumulator.add_batch`); a
+    KeyError when a segment with mentions is not in the cache."""
     acc = CorefAccumulator(cache.num_layers, cache.num_heads)
     items = [segment_items(docs[g.doc], g, i) for i, g in enumerate(segments)]
     for its in items:
@@ -478,10 +523,11 @@ def evaluate(cache, docs: list[CorefDocument], segments: list[Segment], device: 
     if missing:
         raise KeyError(f"cache {getattr(cache, 'path', '')}: {len(missing)} segment(s) with mentions to evaluate "
                        f"are not in it (first: {missing[0]}); rebuild it (delete the folder)")
-    for batch, maps, n in word_map_batches(cache, scored, [segments[i].word_end - segments[i].word_start
-                                                           for i in scored], device, desc="coref_heads",
-                                           progress=progress, dtype=None):  # float16: only the rows read convert
-        acc.add_batch(maps, n, labels, torch.as_tensor(batch, device=maps.device))  # maps: (B, L, H, W, W)
+    for batch, rows, n in word_row_batches(cache, scored, [segments[i].word_end - segments[i].word_start
+                                                           for i in scored],
+                                           [[it.head + 1 for it in items[i]] for i in scored], device,
+                                           desc="coref_heads", progress=progress):  # only the mention heads' rows
+        acc.add_batch(rows, n, labels, torch.as_tensor(batch, device=rows.device))  # rows: (M', L, H, W)
     return acc
 
 

@@ -269,18 +269,18 @@ def most_attended(maps: torch.Tensor, n_words: torch.Tensor, transpose: bool = F
     return pred
 
 
-def most_attended_rows(maps: torch.Tensor, n_words: torch.Tensor, item: torch.Tensor, word: torch.Tensor
-                       ) -> torch.Tensor:
-    """:func:`most_attended` (dep2head, not causal) of chosen words only: word ``word[m]`` (0-based) of item
-    ``item[m]`` for each of M rows, reading only those rows of ``maps`` (B, L, H, W, W) (any float dtype; the rows
-    are compared in float32). Returns (M, L, H) long, 1-based word indices: the same as ``most_attended(maps,
-    n_words)[item, :, :, word]`` (the same candidates, ties to the first word) at M rows' cost instead of every
-    row's."""
-    W = maps.shape[-1]
-    rows = maps[item, :, :, word + 1, 1:W - 1].float()  # (M, L, H, N) the chosen rows' word columns
-    idx = torch.arange(W - 2, device=maps.device)  # (N,)
-    cand = (idx[None, :] < n_words.to(maps.device)[item][:, None]) & (idx[None, :] != word[:, None])  # (M, N)
-    return rows.masked_fill_(~cand[:, None, None], float("-inf")).max(-1).indices + 1  # (M, L, H)
+def most_attended_rows(rows: torch.Tensor, n_words: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    """:func:`most_attended` (dep2head, not causal) of chosen words only, from their rows alone: ``rows`` (M, L, H, W)
+    row ``word[m] + 1`` of item m's word map (any float dtype), the item's n_words[m] words at
+    columns 1..n (anything beyond never read); ``word`` (M,) 0-based. Returns (M, L, H) long, 1-based word indices:
+    the same as ``most_attended(maps, n_words)[item, :, :, word]`` (the same candidates, ties to the first word) at
+    M rows' cost instead of every row's."""
+    W = rows.shape[-1]
+    idx = torch.arange(W - 2, device=rows.device)  # (N,)
+    cand = (idx[None, :] < n_words.to(rows.device)[:, None]) & (idx[None, :] != word[:, None])  # (M, N)
+    # in the rows' own dtype (float16 to float32 is exact: the same order and ties; half the passes on a CPU)
+    r = rows[..., 1:W - 1].masked_fill(~cand[:, None, None], float("-inf"))  # (M, L, H, N) the word columns
+    return r.max(-1).indices + 1  # (M, L, H)
 
 
 def predict_heads(word_attn: torch.Tensor | np.ndarray, transpose: bool = False, causal: bool = False) -> np.ndarray:
