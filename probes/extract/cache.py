@@ -415,7 +415,7 @@ class CacheEntry:
         (its pages never stay mapped in the reading process; a complete entry's files are never written again, so
         the map cannot shrink under the reader); :class:`CacheDamaged` when the shard ends early. On a 2-vCPU AMD
         EPYC Zen 4, coref_heads' 2,240 mention rows of 47 GUM dev segments of MiniLM (1.04 GB of maps in the page
-        cache): 0.05 CPU-s against 0.14 for reading the whole maps."""
+        cache): 0.05-0.13 CPU-s against 0.14-0.19 for reading the whole maps, both varying with the machine's state."""
         fd = self._fd(shard)
         start, nbytes = 2 * offset, 2 * math.prod(shape)
         if os.fstat(fd).st_size < start + nbytes:
