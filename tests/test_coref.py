@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from probes.analysis.clark import coref_heads as A
 from probes.analysis.context import AnalysisContext
 from probes.data.coref import (CorefDocument, CorefError, CorefSentence, heuristic_head,
-                               parse_entity_field, read_conll2012, read_gum_coref, read_ontogum)
+                               parse_entity_field, pronoun_features, read_conll2012, read_gum_coref, read_ontogum)
 from probes.model.load import tiny_bert
 from tests.conftest import require_shared
 
@@ -202,6 +202,63 @@ def test_baselines_on_handmade_document(tmp_path):
     # nearest: his->John ok, He->dog wrong, the dog->He wrong, It->the dog ok
     assert acc.baseline_accuracy("all", "nearest") == 0.5
     assert acc.baseline_accuracy("nominal", "head_match") == 1.0
+
+
+def _baselines_by_loops(doc, seg):
+    """(head, antecedent heads, predictions) of every evaluated mention of ``seg``, segment-local, by plain loops
+    over the document's mentions: candidates = earlier mentions of the segment (by (start, end)) with another head;
+    each rule scans them from the closest, comparing lowercased strings joined from the document's words."""
+    words = doc.words
+    number = [n for s in doc.sentences for n in (s.number or (None,) * len(s.words))]
+
+    def feats(m):
+        if m.mtype == "pronoun":
+            person, num, gender = pronoun_features(words[m.head])
+            return person, num, None if gender is None else gender in ("m", "f")
+        return 3, {"Sing": "sg", "Plur": "pl"}.get(number[m.head] or ""), (
+            None if m.etype in (None, "animal") else m.etype == "person")
+
+    def agree(a, b):
+        return all(x is None or y is None or x == y for x, y in zip(a, b))
+
+    def text(m):
+        return " ".join(words[m.start:m.end + 1]).lower()
+
+    inside = sorted([m for m in doc.mentions if seg.word_start <= m.start and m.end < seg.word_end],
+                    key=lambda m: (m.start, m.end))
+    out = []
+    for k, m in enumerate(inside):
+        cands = [c for c in inside[:k] if c.head != m.head]
+        ants = {c.head for c in cands if c.cluster == m.cluster}
+        if not ants:
+            continue
+        near = cands[-1].head
+        same_head = [c.head for c in cands if words[c.head].lower() == words[m.head].lower()]
+        rule = ([c.head for c in cands if text(c) == text(m)] or same_head
+                or ([c.head for c in cands if agree(feats(c), feats(m))] if m.mtype == "pronoun" else [])
+                or [near])[-1]
+        o = seg.word_start
+        out.append((m.head - o, {a - o for a in ants},
+                    dict(nearest=near - o, head_match=(same_head or [near])[-1] - o, rule_based=rule - o)))
+    return out
+
+
+def test_baselines_equal_plain_loops_on_gum_documents():
+    """The baselines and antecedents of segment_items on real GUM dev documents, in segments of 7 sentences and
+    whole, equal plain loops over the mentions written here."""
+    gum = require_shared("ud_english_gum")
+    docs = [d.without_singletons() for d in read_gum_coref(gum / "en_gum-ud-dev.conllu")[:4]]
+    n = 0
+    for i, doc in enumerate(docs):
+        off = doc.offsets + [len(doc.words)]
+        for size in (7, len(doc.sentences)):
+            for a in range(0, len(doc.sentences), size):
+                b = min(a + size, len(doc.sentences))
+                seg = A.Segment(i, a, b, off[a], off[b], 0)
+                got = [(it.head, set(it.antecedent_heads), it.predictions) for it in A.segment_items(doc, seg, a)]
+                assert got == _baselines_by_loops(doc, seg), (doc.doc_id, a, b)
+                n += len(got)
+    assert n > 500  # 776 mentions
 
 
 def test_synthetic_attention_to_antecedent_scores_100(tmp_path):
