@@ -410,7 +410,8 @@ class CacheEntry:
     def _take(self, i: int, shard: int, offset: int, shape: tuple[int, ...], index: np.ndarray, axis: int,
               out: np.ndarray) -> np.ndarray:
         """``np.take(block, index, axis)`` written into ``out`` (float16, any strides; the indices checked by the
-        caller) of the block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors), reading
+        caller; gathered contiguous, then copied: cheaper than ``np.take(out=)``, which copies a strided ``out`` in
+        and back out) of the block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors), reading
         only the pages that hold the taken elements: the block is memory-mapped and the map closed before returning
         (its pages never stay mapped in the reading process; a complete entry's files are never written again, so
         the map cannot shrink under the reader); :class:`CacheDamaged` when the shard ends early. On a 2-vCPU AMD
@@ -424,8 +425,7 @@ class CacheEntry:
         base = start - start % mmap.ALLOCATIONGRANULARITY
         m = mmap.mmap(fd, start + nbytes - base, prot=mmap.PROT_READ, offset=base)
         try:  # the view is a temporary of this one expression: no buffer of the map outlives it
-            np.take(np.frombuffer(m, np.float16, math.prod(shape), start - base).reshape(shape), index, axis, out,
-                    mode="clip")
+            out[...] = np.frombuffer(m, np.float16, math.prod(shape), start - base).reshape(shape).take(index, axis)
         finally:
             m.close()
         return out
