@@ -1,6 +1,7 @@
-"""Batches of cached word maps for the analyses that read the attention cache (``dep_heads``, ``coref_heads``):
-entries of similar sizes read together, zero-padded into one tensor on the analysis's device, so that what an
-analysis computes from them runs as batched tensor operations, never per sentence.
+"""Batches of cached word maps for the analyses that read the attention cache: entries of similar sizes read
+together, zero-padded into one tensor on the analysis's device, so that what an analysis computes from them runs as
+batched tensor operations, never per sentence. Whole maps (:func:`word_map_batches`, ``dep_heads``) or chosen rows of
+them, read from the pages that hold them (:func:`word_row_batches`, ``coref_heads``' mention heads).
 """
 
 from __future__ import annotations
