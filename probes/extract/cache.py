@@ -403,25 +403,24 @@ class CacheEntry:
         out = np.empty(shape, dtype=np.float16)  # writable, not zeroed: it can go to torch without a copy
         nbytes = out.nbytes
         if os.preadv(self._fd(shard), [out], 2 * offset) != nbytes:
-            raise CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
-                               self.manifest.get("command") or build_command(self.manifest.get("key", {})))
+            raise self._truncated(i, shard)
         return out
 
     def _take(self, i: int, shard: int, offset: int, shape: tuple[int, ...], index: np.ndarray, axis: int,
               out: np.ndarray) -> np.ndarray:
         """``np.take(block, index, axis)`` written into ``out`` (float16, any strides; the indices checked by the
         caller; gathered contiguous, then copied: cheaper than ``np.take(out=)``, which copies a strided ``out`` in
-        and back out) of the block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors), reading
-        only the pages that hold the taken elements: the block is memory-mapped and the map closed before returning
-        (its pages never stay mapped in the reading process; a complete entry's files are never written again, so
-        the map cannot shrink under the reader); :class:`CacheDamaged` when the shard ends early. On a 2-vCPU AMD
-        EPYC Zen 4, coref_heads' 2,240 mention rows of 47 GUM dev segments of MiniLM (1.04 GB of maps in the page
-        cache): 0.05-0.13 CPU-s against 0.14-0.19 for reading the whole maps, both varying with the machine's state."""
+        and back out) of the block of ``shape`` at element ``offset`` of ``shard`` (sentence ``i``, for errors),
+        touching only the pages that hold the taken elements: the block is memory-mapped and the map closed before
+        returning (its pages never stay mapped in the reading process; a complete entry's files are never written
+        again, so the map cannot shrink under the reader); :class:`CacheDamaged` when the shard ends early. On a
+        2-vCPU AMD EPYC Zen 4, coref_heads' 2,240 mention rows of 47 GUM dev segments of MiniLM (1.04 GB of maps in
+        the page cache): 0.05-0.13 CPU-s against 0.14-0.19 for reading the whole maps, both varying with the
+        machine's state."""
         fd = self._fd(shard)
         start, nbytes = 2 * offset, 2 * math.prod(shape)
         if os.fstat(fd).st_size < start + nbytes:
-            raise CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
-                               self.manifest.get("command") or build_command(self.manifest.get("key", {})))
+            raise self._truncated(i, shard)
         base = start - start % mmap.ALLOCATIONGRANULARITY
         m = mmap.mmap(fd, start + nbytes - base, prot=mmap.PROT_READ, offset=base)
         try:  # the view is a temporary of this one expression: no buffer of the map outlives it
@@ -429,6 +428,11 @@ class CacheEntry:
         finally:
             m.close()
         return out
+
+    def _truncated(self, i: int, shard: int) -> CacheDamaged:
+        """The error of a shard that ends before sentence ``i``'s block does."""
+        return CacheDamaged(self.path, self.manifest["shards"][shard], f"is truncated at sentence {i}",
+                            self.manifest.get("command") or build_command(self.manifest.get("key", {})))
 
     def _fd(self, shard: int) -> int:
         if self._fds is None:
