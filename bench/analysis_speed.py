@@ -12,7 +12,8 @@ before (every sequence's (L, H, T, T) map handed to ``HeadStatsAccumulator.add``
 sentence alone, scored from an attention cache of them built (in a temporary folder) before the rounds;
 ``coref_heads`` the segments of its default source, UD GUM ``--split`` (the first documents holding at least
 ``--sentences`` sentences, singletons removed, whole sentences packed within the model's length), scored from a
-cache of them built before the rounds;
+cache of them built before the rounds: of the mention heads' rows only, as the analysis keeps by default
+(``coref_heads``), or of whole maps (``coref_heads_whole``, for comparison);
 ``pattern_types`` and ``linguistic_attention`` each sentence alone (linguistic_attention's token kinds and relations
 on the gold UD labels, its ``source=treebank``).
 ``--encoder``: the extraction bench's choices (``extract_speed.load_bench_encoder``: ``minilm``,
@@ -26,10 +27,10 @@ For each analysis, in alternation for ``--rounds`` rounds (the best of each kept
   result on the host; ``sink``: :func:`probes.analysis.beyond.sink.first_token_alpha`; ``clustering``:
   :func:`probes.analysis.clark.clustering.head_distances` and its results on the host; ``dep_heads``:
   :func:`probes.analysis.clark.dep_heads.evaluate` on the cache (the scoring, timed alone; reported as bare plus it:
-  the maps an extraction computes, then their scoring; ``scoring_*`` the scoring alone); ``coref_heads``:
-  :func:`probes.analysis.clark.coref_heads.evaluate` on its cache, the same way; ``pattern_types``:
-  :func:`probes.analysis.kovaleva.pattern_types.head_predictions` with a CNN of the default shape and random weights
-  (the work of a trained one); ``linguistic_attention``: its scoring of one model
+  the maps an extraction computes, then their scoring; ``scoring_*`` the scoring alone); ``coref_heads``,
+  ``coref_heads_whole``: :func:`probes.analysis.clark.coref_heads.evaluate` on its cache, the same way;
+  ``pattern_types``: :func:`probes.analysis.kovaleva.pattern_types.head_predictions` with a CNN of the default shape
+  and random weights (the work of a trained one); ``linguistic_attention``: its scoring of one model
   (``probes.analysis.kovaleva.linguistic_attention.scoring._run_one``) with the paper's kinds and relations.
 
 Reported: pieces (tokens) per second of wall time, the analysis's throughput over bare's, CPU seconds (the main
@@ -47,7 +48,9 @@ variation between the two runs, a few tenths of a CPU-s, in it) and outside the 
 forward's variation (``own_costs_ratio``): bare's CPU over bare's plus the analysis's reductions and host work
 outside the forwards. Also the high-water mark of the process's own
 anonymous memory during each (:class:`probes.memory.AnonPeak`) and, on CUDA, the peak GPU memory
-(``torch.cuda.max_memory_allocated``). The CPU is named (:func:`probes.machine.cpu_description`) beside the numbers.
+(``torch.cuda.max_memory_allocated``). For the analyses that read a cache, its extraction before the rounds
+(``cache``: wall and process CPU seconds, its threads included, anonymous-memory peak, bytes written). The CPU is
+named (:func:`probes.machine.cpu_description`) beside the numbers.
 """
 
 from __future__ import annotations
@@ -95,8 +98,9 @@ from probes.memory import AnonPeak  # noqa: E402
 from extract_speed import load_bench_encoder  # noqa: E402  (the same encoders as the extraction bench)
 
 ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop", "dep_heads", "coref_heads",
-            "pattern_types", "linguistic_attention")
-CACHED = ("dep_heads", "coref_heads")
+            "coref_heads_whole", "pattern_types", "linguistic_attention")
+COREF = ("coref_heads", "coref_heads_whole")  # the cache of the mention heads' rows (the analysis's), of whole maps
+CACHED = ("dep_heads",) + COREF
 # linguistic_attention's node keys that KindRules.from_config takes
 RULE_ARGS = ("feature_set", "feature_sets", "features", "piece_pooling", "missing", "missing_by_feature", "relations",
              "relation_missing")  # analyses that read the attention cache: built before the rounds, the scoring timed
@@ -204,7 +208,7 @@ def coref_data(enc, data_dir: str, split: str, n: int):
 def inputs_of(analysis: str, enc, sentences, coref=None):
     """(encoded inputs, the number of sentences they hold) as the analysis reads them (linguistic_attention: its
     labelled examples, their ``encoded`` the inputs; coref_heads: ``coref``'s segments)."""
-    if analysis == "coref_heads":
+    if analysis in COREF:
         docs, segments = coref
         words = coref_heads.coref_source(docs, segments, "gum", "bench", "-", None).words()
         return encode_all(enc.tokenizer, words), sum(g.last_sentence - g.first_sentence for g in segments)
@@ -236,7 +240,7 @@ def bench_classifier() -> PatternClassifier:
 
 
 def run_analysis(analysis: str, enc, items, device: str, max_tokens: int, max_batch_size: int, cached=None):
-    if analysis == "coref_heads":  # the scoring of the cached segment maps (the cache built before)
+    if analysis in COREF:  # the scoring of the cached segment maps or mention rows (the cache built before)
         cache, docs, segments = cached
         return coref_heads.evaluate(cache, docs, segments, device, progress=False).count
     if analysis == "dep_heads":  # the scoring of the cached word maps (the cache built before)
@@ -274,14 +278,16 @@ def build_cache(enc, path: Path, n: int, precision: str, cache_dir: Path):
     return ensure_cache(enc, tb, split, ExtractSettings.from_config(cfg.extract), cache_dir, max_sentences=n)
 
 
-def build_coref_cache(enc, coref, precision: str, cache_dir: Path):
+def build_coref_cache(enc, coref, precision: str, cache_dir: Path, mention_rows_only: bool = True):
     """(attention cache, documents, segments): coref_heads' cache of the segments (the project's extraction stage,
-    conf/extract at ``precision``, segments within the model's length)."""
+    conf/extract at ``precision``, segments within the model's length): the mention heads' rows, as the analysis
+    keeps by default (``mention_rows_only``), or whole maps."""
     docs, segments = coref
     cfg = compose("analyze", [f"extract.precision={precision}"])
     settings = ExtractSettings.from_config(cfg.extract).replace(max_length=enc.max_length, long_sentences="error")
     source = coref_heads.coref_source(docs, segments, "gum", "bench", "-", None)
-    return runner.build(enc, AttentionMaps(), source, settings, cache_dir), docs, segments
+    rows = coref_heads.mention_rows(coref_heads.document_items(docs, segments)) if mention_rows_only else None
+    return runner.build(enc, AttentionMaps(rows), source, settings, cache_dir), docs, segments
 
 
 def run_bare(enc, items, device: str, max_tokens: int, max_batch_size: int) -> None:
@@ -324,16 +330,25 @@ def main(argv=None) -> dict:
     kw = dict(max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
     with autocast, tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
         for analysis in args.analyses:
-            coref = (coref_data(enc, args.data_dir, args.split, len(sentences)) if analysis == "coref_heads"
+            coref = (coref_data(enc, args.data_dir, args.split, len(sentences)) if analysis in COREF
                      else None)
             items, n_sentences = inputs_of(analysis, enc, sentences, coref)
             if analysis == "linguistic_attention":
                 linguistic_rules()  # composed before the rounds
             if analysis == "pattern_types":
                 bench_classifier().inference_net()  # built before the rounds
-            cached = (build_coref_cache(enc, coref, args.precision, Path(tmp)) if analysis == "coref_heads"
-                      else build_cache(enc, path, len(sentences), args.precision, Path(tmp)) if analysis in CACHED
-                      else None)
+            built: dict = {}
+            p0 = time.process_time()  # the extraction's background threads (batches ahead, writes) included
+            with measured(built, args.device):  # the cache's extraction (not part of the rounds)
+                cached = (build_coref_cache(enc, coref, args.precision, Path(tmp), analysis == "coref_heads")
+                          if analysis in COREF
+                          else build_cache(enc, path, len(sentences), args.precision, Path(tmp)) if analysis in CACHED
+                          else None)
+            if cached is not None:
+                built.update(process_cpu_s=round(time.process_time() - p0, 3), bytes=cached[0].manifest["bytes"])
+                print(f"{analysis}: cache of {built['bytes'] / 1e6:.0f} MB extracted in {built['seconds']:.2f} s "
+                      f"({built['process_cpu_s']:.2f} CPU-s of the process, anon peak {built['anon_peak_mib']} MiB)",
+                      flush=True)
             encoded = [getattr(e, "encoded", e) for e in items]  # (linguistic_attention's examples: their encoding)
             pieces = sum(e.n_pieces for e in encoded)
             run_bare(enc, encoded[:8], args.device, **kw)  # warm-up
@@ -357,7 +372,7 @@ def main(argv=None) -> dict:
             if analysis in CACHED:  # the scoring alone was timed: the analysis is the extraction's maps + it
                 mine = dict(mine, seconds=bare["seconds"] + mine["seconds"], cpu_s=bare["cpu_s"] + mine["cpu_s"],
                             scoring_seconds=mine["seconds"], scoring_cpu_s=mine["cpu_s"])
-            row = dict(inputs=len(items), sentences=n_sentences, pieces=pieces,
+            row = dict(inputs=len(items), sentences=n_sentences, pieces=pieces, **(dict(cache=built) if built else {}),
                        bare=dict(bare, tokens_per_s=round(pieces / bare["seconds"])),
                        analysis=dict(mine, tokens_per_s=round(pieces / mine["seconds"])),
                        throughput_ratio=round(bare["seconds"] / mine["seconds"], 3),

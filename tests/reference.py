@@ -1,14 +1,14 @@
 """Slow, independent references the tests check the project's code against.
 
-Encodings and word maps (:func:`text_pieces`, :func:`word_groups`, :func:`pool_by_loops`, :func:`eager_word_maps`)
-are built from the raw text alone: the model's own tokenizer on the words joined by single spaces
-(``tokenizer(" ".join(words), return_offsets_mapping=True)``), each piece given to the word whose characters it
-covers by a plain loop over characters, a plain ``attn_implementation="eager"`` forward with
-``output_attentions=True``, and pooling by explicit loops over pieces; nothing from :mod:`probes.model.inputs`
-or the capture layer. The gradient-flow references are written without the block functions, ``torch.func`` or
-early stops: one plain forward and one ``autograd.grad`` per output, or the full model's head outputs from forward
-hooks. A ``.gguf`` file is read by transformers' own GGUF reader (:func:`gguf_reader`). Clark et al.'s head
-statistics (:func:`head_stats_by_loops`) are explicit loops over the rows and keys of one sequence's eager map
+Encodings and word maps (:func:`text_pieces`, :func:`word_groups`, :func:`pool_by_loops`, :func:`eager_word_maps`,
+:func:`plain_entry`: what a cache entry should hold) are built from the raw text alone: the model's own tokenizer on the
+words joined by single spaces (``tokenizer(" ".join(words), return_offsets_mapping=True)``), each piece given to the
+word whose characters it covers by a plain loop over characters, a plain ``attn_implementation="eager"`` forward with
+``output_attentions=True``, and pooling by explicit loops over pieces; nothing from :mod:`probes.model.inputs` or the
+capture layer. The gradient-flow references are written without the block functions, ``torch.func`` or early stops: one
+plain forward and one ``autograd.grad`` per output, or the full model's head outputs from forward hooks. A ``.gguf``
+file is read by transformers' own GGUF reader (:func:`gguf_reader`). Clark et al.'s head statistics
+(:func:`head_stats_by_loops`) are explicit loops over the rows and keys of one sequence's eager map
 (:func:`eager_maps`), its inputs the tokenizer's own on the raw sentence or pair (:func:`reference_inputs`).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from probes.measures import gradflow
 from probes.model import hooks, structure
@@ -125,6 +125,31 @@ def pool_by_loops(att: np.ndarray, groups: list[list[int]]) -> np.ndarray:
                 for j in cols:
                     total = total + att[..., i, j].astype(np.float64)
             out[..., r, c] = total / len(rows)
+    return out
+
+
+def plain_entry(folder, sentences: list[list[str]], max_length: int, batch_size: int = 7) -> dict[int, np.ndarray]:
+    """{sentence: (L, H, W, W) float32 word maps} of the sentences of at most ``max_length`` pieces: the model's
+    tokenizer on the words joined by spaces, padded batches of ``batch_size`` through a plain eager transformers
+    model with ``output_attentions``, rows averaged and columns summed over each word's pieces by loops
+    (``tests.reference``: the words of the pieces and the pooling; W = words + 2: the first special, the words, the
+    last special)."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
+    texts = [" ".join(words) for words in sentences]
+    keep = [i for i, t in enumerate(texts) if len(tok(t)["input_ids"]) <= max_length]
+    out = {}
+    for b in range(0, len(keep), batch_size):
+        ids = keep[b:b + batch_size]
+        enc = tok([texts[i] for i in ids], padding=True, return_tensors="pt")
+        with torch.no_grad():
+            attn = torch.stack(model(**enc, output_attentions=True).attentions, 1)  # (B, L, H, T, T)
+        for k, i in enumerate(ids):
+            T = int(enc["attention_mask"][k].sum())  # right padding: the first T positions are real
+            own, wids = text_pieces(tok, sentences[i])  # the sentence's pieces alone, their words
+            assert enc["input_ids"][k, :T].tolist() == own
+            groups = word_groups(wids, len(sentences[i]))  # W groups: first special, words, last special
+            out[i] = pool_by_loops(attn[k, :, :, :T, :T].numpy(), groups).astype(np.float32)
     return out
 
 

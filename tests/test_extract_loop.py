@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from transformers import AutoModel
 
 from probes.extract import cache, stage
 from probes.extract.stage import encode_split, extract, forget_splits, own_loop_device, probe_trainer
@@ -43,34 +42,6 @@ def key_for(name: str, **more) -> dict:
     return dict(encoder=name, dataset="synthetic", split="dev", **more)
 
 
-# ----------------------------------------------------------------------------- the independent plain loop
-def plain_entry(folder, sentences: list[list[str]], max_length: int, batch_size: int = 7) -> dict[int, np.ndarray]:
-    """{sentence: (L, H, W, W) float32 word maps} of the sentences of at most ``max_length`` pieces: the model's
-    tokenizer on the words joined by spaces, padded batches of ``batch_size`` through a plain eager transformers
-    model with ``output_attentions``, rows averaged and columns summed over each word's pieces by loops
-    (``tests.reference``: the words of the pieces and the pooling; W = words + 2: the first special, the words, the
-    last special)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
-    texts = [" ".join(words) for words in sentences]
-    keep = [i for i, t in enumerate(texts) if len(tok(t)["input_ids"]) <= max_length]
-    out = {}
-    for b in range(0, len(keep), batch_size):
-        ids = keep[b:b + batch_size]
-        enc = tok([texts[i] for i in ids], padding=True, return_tensors="pt")
-        with torch.no_grad():
-            attn = torch.stack(model(**enc, output_attentions=True).attentions, 1)  # (B, L, H, T, T)
-        for k, i in enumerate(ids):
-            T = int(enc["attention_mask"][k].sum())  # right padding: the first T positions are real
-            own, wids = reference.text_pieces(tok, sentences[i])  # the sentence's pieces alone, their words
-            assert enc["input_ids"][k, :T].tolist() == own
-            groups = reference.word_groups(wids, len(sentences[i]))  # W groups: first special, words, last special
-            out[i] = reference.pool_by_loops(attn[k, :, :, :T, :T].numpy(), groups).astype(np.float32)
-    return out
-
-
 @pytest.mark.parametrize("family", ["bert", "roberta"])
 def test_own_loop_entry_equals_the_independent_plain_loop(folders, tmp_path, family):
     enc = load_encoder(str(folders[family]))
@@ -78,7 +49,7 @@ def test_own_loop_entry_equals_the_independent_plain_loop(folders, tmp_path, fam
     got = extract(enc, SENTS, key_for(enc.name), tmp_path, TRAINER, max_length=MAX_LENGTH, max_tokens=MAX_TOKENS,
                   loop="own")
     assert enc.model.training and all(m.training for m in enc.model.modules())
-    want = plain_entry(folders[family], SENTS, MAX_LENGTH)
+    want = reference.plain_entry(folders[family], SENTS, MAX_LENGTH)
     skipped = [i for i in range(len(SENTS)) if i not in want]
     assert len(SENTS) - 1 in skipped and len(want) > len(SENTS) // 2 and got.skipped == skipped
 

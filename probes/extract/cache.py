@@ -5,7 +5,8 @@ Layout of one cache entry (read lazily, one sentence at a time) `<cache_dir>/att
   manifest.json        key, sizes, shard list, skipped sentences (written last)
   maps-r<rank>.f16     float16 maps of the sentences that rank wrote, back to back
   index-r<rank>.npy    (N_r, 3) int64 rows: sentence index, element offset, side W
-A map of a sentence with n words has side W = n + 2 ([CLS], words, [SEP]) and shape (L, H, W, W).
+A map of a sentence with n words has side W = n + 2 ([CLS], words, [SEP]) and shape (L, H, W, W). An entry of
+chosen rows (:mod:`probes.extract.rows`; the manifest lists each sentence's ``rows``) holds (R, L, H, W) of each.
 An entry is built in `<entry>.partial/` and renamed into place once complete, so nothing that
 lacks a manifest is ever read; an interrupted build is deleted and redone by the next run.
 
@@ -448,7 +449,9 @@ class CacheEntry:
 
 
 class AttentionCache(CacheEntry):
-    """An entry of word-level maps (any map kind): sentence i with n words is (L, H, W, W), W = n + 2."""
+    """An entry of word-level maps (any map kind): sentence i with n words is (L, H, W, W), W = n + 2; or an entry
+    of chosen rows of them (:mod:`probes.extract.rows`: the manifest's ``rows``, sentence i's (R_i, L, H, W) block),
+    read by :meth:`rows` only."""
 
     what = "attention"
 
@@ -457,9 +460,16 @@ class AttentionCache(CacheEntry):
         self.num_layers = self.manifest["num_layers"]  # L of the stored maps: len(layers)
         self.num_heads = self.manifest["num_heads"]
         self.layers: list[int] = list(self.manifest["layers"])  # the model's 0-based layer of each stored one
+        kept = self.manifest.get("rows")  # an entry of chosen rows: each sentence's, increasing; None: whole maps
+        self.kept_rows: list[np.ndarray] | None = (None if kept is None else
+                                                   [np.asarray(r, dtype=np.intp) for r in kept])
 
     def __getitem__(self, i: int) -> np.ndarray:
-        """(L, H, W, W) float16 maps of sentence i, read from disk on each call."""
+        """(L, H, W, W) float16 maps of sentence i, read from disk on each call; a ValueError for an entry of chosen
+        rows (read with :meth:`rows`)."""
+        if self.kept_rows is not None:
+            raise ValueError(f"cache {self.path} keeps chosen rows of each sentence's maps only (its manifest's "
+                             f"rows): read them with rows(i, rows), not whole maps")
         shard, offset, side = self._locate(i)
         return self._read(i, shard, offset, (self.num_layers, self.num_heads, side, side))
 
@@ -470,8 +480,9 @@ class AttentionCache(CacheEntry):
     def rows(self, i: int, rows: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
         """(R, L, H, W) float16: the rows ``rows`` (positions 0..W-1 of the word map, [CLS] at 0; any order,
         repeats allowed) of sentence i's maps, every layer and head, reading only the pages that hold them
-        (:meth:`CacheEntry._take`), written into ``out`` when given (an (R, L, H, W) float16 array, any strides:
-        e.g. part of a padded batch); an IndexError names a row outside 0..W-1."""
+        (:meth:`CacheEntry._take`; an entry of chosen rows: its block of them), written into ``out`` when given (an
+        (R, L, H, W) float16 array, any strides: e.g. part of a padded batch); an IndexError names a row outside
+        0..W-1, or one an entry of chosen rows does not keep."""
         shard, offset, side = self._locate(i)
         r = np.asarray(rows, dtype=np.intp).reshape(-1)  # (R,)
         if r.size and (r.min() < 0 or r.max() >= side):
@@ -482,5 +493,16 @@ class AttentionCache(CacheEntry):
             out = np.empty((len(r), L, H, side), dtype=np.float16)  # (R, L, H, W)
         elif out.shape != (len(r), L, H, side) or out.dtype != np.float16:
             raise ValueError(f"out: {out.dtype} {out.shape}, expected float16 {(len(r), L, H, side)}")
-        self._take(i, shard, offset, (L, H, side, side), r, 2, out.transpose(1, 2, 0, 3))  # into (L, H, R, W)
+        if self.kept_rows is None:
+            self._take(i, shard, offset, (L, H, side, side), r, 2, out.transpose(1, 2, 0, 3))  # into (L, H, R, W)
+            return out
+        kept = self.kept_rows[i]  # (R_i,) increasing
+        at = np.searchsorted(kept, r)  # (R,) each row's place among the kept ones
+        held = at < len(kept)
+        held[held] = kept[at[held]] == r[held]
+        if not held.all():
+            raise IndexError(f"cache {self.path}: sentence {i} keeps rows {kept.tolist()} of its maps only, not row "
+                             f"{int(r[~held][0])}")
+        block = self._read(i, shard, offset, (len(kept), L, H, side))  # (R_i, L, H, W): the whole small block
+        out[...] = block if np.array_equal(at, np.arange(len(kept))) else block[at]  # (R, L, H, W)
         return out

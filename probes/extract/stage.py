@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from probes.extract import cache
+from probes.extract.rows import Rows, RowsWriter, check_rows, normalized, row_table, rows_digest, take_rows
 from probes.extract.writer import CacheWriter, extraction_peer
 from probes.maps import MapEngine, SentenceBatches, encode_all, prefetched
 from probes.measures import build
@@ -92,22 +93,39 @@ def forget_splits() -> None:
     _SPLITS.clear()
 
 
+def map_step(engine: MapEngine, rows: Rows | None = None) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    """What an extraction computes of one batch: the engine's word maps (B, L', H', W, W) float16, or with ``rows``
+    each sentence's kept rows of them (B, R, L', H', W), taken on the batch's device
+    (:func:`probes.extract.rows.take_rows`)."""
+    if rows is None:
+        return engine.word_maps
+    return functools.partial(_kept_rows, engine, *row_table(rows))
+
+
+def _kept_rows(engine: MapEngine, table: torch.Tensor, counts: torch.Tensor, batch: dict[str, torch.Tensor]
+               ) -> torch.Tensor:
+    """(B, R, L', H', W) the kept rows of the batch's word maps (:func:`map_step`)."""
+    return take_rows(engine.word_maps(batch), batch["index"], table, counts)
+
+
 class AttentionExtractor(pl.LightningModule):
     """Predict-only LightningModule around a :class:`~probes.maps.MapEngine`: each step is the engine's word maps
-    of one batch, in float16, on the batch's device (:class:`~probes.extract.writer.CacheWriter` copies them to
-    the host).
+    of one batch (or their kept ``rows``: :func:`map_step`), in float16, on the batch's device
+    (:class:`~probes.extract.writer.CacheWriter` copies them to the host).
 
     Args:
         engine: The engine; its model is this module's ``model`` (Lightning moves it to the Trainer's device).
+        rows: Each sentence's kept rows (an entry of chosen rows, :mod:`probes.extract.rows`); None: whole maps.
     """
 
-    def __init__(self, engine: MapEngine):
+    def __init__(self, engine: MapEngine, rows: Rows | None = None):
         super().__init__()
         self.engine = engine
         self.model = engine.model
+        self.step = map_step(engine, rows)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int = 0) -> dict[str, torch.Tensor]:
-        maps = self.engine.word_maps(batch)  # (B, L', H', W, W) float16
+        maps = self.step(batch)  # (B, L', H', W, W) float16, or (B, R, L', H', W) kept rows
         # on the batch's device: the writer copies them to the host (asynchronously from a GPU)
         return dict(maps=maps, index=batch["index"], n_words=batch["n_words"])
 
@@ -155,10 +173,10 @@ def own_loop_device(t: pl.Trainer) -> tuple[torch.device | None, str]:
 
 def predict_loop(engine: MapEngine, data: SentenceBatches, writer: CacheWriter, t: pl.Trainer,
                  device: torch.device, lines: ProgressCallback, num_workers: int = 0,
-                 overlap: bool = True) -> None:
-    """What ``t.predict(AttentionExtractor(engine), DataLoader(data))`` does on one device: :func:`device_loop` of
-    the engine's model and word maps."""
-    device_loop(engine.model, engine.word_maps, data, writer, t, device, lines, num_workers, overlap)
+                 overlap: bool = True, rows: Rows | None = None) -> None:
+    """What ``t.predict(AttentionExtractor(engine, rows), DataLoader(data))`` does on one device: :func:`device_loop`
+    of the engine's model and :func:`map_step`."""
+    device_loop(engine.model, map_step(engine, rows), data, writer, t, device, lines, num_workers, overlap)
 
 
 def device_loop(model: torch.nn.Module, step: Callable[[dict[str, torch.Tensor]], torch.Tensor],
@@ -236,11 +254,26 @@ def choose_loop(trainer: Callable[..., pl.Trainer], loop: str, callbacks: list[p
     return t, device, why
 
 
+def checked_rows(rows: Sequence[Sequence[int]] | None, sentences: Sequence[Sequence[str]], key: dict) -> Rows | None:
+    """``rows`` :func:`~probes.extract.rows.normalized` (None: whole maps); a ValueError unless they are rows of the
+    sentences' word maps (:func:`~probes.extract.rows.check_rows`) and ``key`` names them by their digest."""
+    if rows is None:
+        return None
+    rows = normalized(rows)
+    check_rows(rows, sentences)
+    if key.get("rows") != rows_digest(rows):  # an entry of other rows, or of whole maps, under the same key
+        raise ValueError(f"key {cache.cache_key_hash(key)}: an entry of chosen rows is keyed by their digest "
+                         f"(rows={rows_digest(rows)}), the key has rows={key.get('rows')}")
+    return rows
+
+
 def extract(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
             trainer: Callable[..., pl.Trainer], **settings) -> cache.AttentionCache:
-    """Write (or reuse) the cache entry for `key` (settings: see :func:`_extract`); `trainer` is a partial
-    Trainer constructor. Exactly one process builds an entry (:func:`probes.extract.cache.build_lock`): the
-    others wait and read it, and take the build over if its builder dies."""
+    """Write (or reuse) the cache entry for `key` (settings: see :func:`_extract`; ``rows`` checked first,
+    :func:`checked_rows`); `trainer` is a partial Trainer constructor. Exactly one process builds an entry
+    (:func:`probes.extract.cache.build_lock`): the others wait and read it, and take the build over if its builder
+    dies."""
+    checked_rows(settings.get("rows"), sentences, key)
     final_dir = cache.entry_dir(cache_dir, key)
     if cache.is_complete(final_dir):
         log.info("attention cache hit: %s", final_dir)
@@ -274,6 +307,7 @@ def _extract(
     measures: dict | None = None,
     layers: Sequence[int] | None = None,
     loop: str = "auto",
+    rows: Sequence[Sequence[int]] | None = None,
 ) -> cache.AttentionCache:
     """Write (or reuse) the cache entry for `key`; `trainer` is a partial Trainer constructor.
 
@@ -282,9 +316,12 @@ def _extract(
     ``maps``: the map kind, built from ``measures[maps]`` (:mod:`probes.measures`).
     ``layers``: the 0-based layers stored, in order (None: all); the manifest lists them.
     ``loop``: ``auto`` (the stage's own loop where :func:`own_loop_device` allows it, else Lightning's predict),
-    ``own`` (an error naming the reason where it cannot) or ``lightning``; the entry is the same."""
+    ``own`` (an error naming the reason where it cannot) or ``lightning``; the entry is the same.
+    ``rows``: per sentence, the rows of its word map kept (positions 0..n + 1, [CLS] at 0; an entry of chosen rows,
+    :mod:`probes.extract.rows`, checked before any work); None: whole maps."""
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r}: expected one of {LOOPS}")
+    rows = checked_rows(rows, sentences, key)
     final_dir = cache.entry_dir(cache_dir, key)
     if cache.is_complete(final_dir):
         log.info("attention cache hit: %s", final_dir)
@@ -302,7 +339,11 @@ def _extract(
                     n_pieces=int(sum(e.n_pieces for e in kept)), dtype="float16",
                     layout="(L, H, W, W), L = len(layers), W = words + 2: [CLS], words, [SEP]; rows attend to columns "
                            "(H = 1 for per-layer map kinds)")
-    writer = CacheWriter(final_dir, manifest)
+    if rows is not None:  # an entry of chosen rows: sentence i's rows[i] of its maps
+        manifest.update(layout="(R, L, H, W), R = len(rows[i]): the kept rows of the (L, H, W, W) word maps, "
+                               "W = words + 2: [CLS], words, [SEP]; rows attend to columns (H = 1 for per-layer map "
+                               "kinds)", rows=[list(r) for r in rows])
+    writer = CacheWriter(final_dir, manifest) if rows is None else RowsWriter(final_dir, manifest, rows)
     # progress lines in the run's log when no one watches a terminal (the Lightning bar shows it there)
     lines = ProgressCallback(desc=f"{maps} extraction")
     t, device, why = choose_loop(trainer, loop, [writer, lines])
@@ -318,26 +359,34 @@ def _extract(
             loader = DataLoader(engine.dataset(kept, keep, batches,
                                                device=t.strategy.root_device if not num_workers else None),
                                 batch_size=None, num_workers=num_workers, persistent_workers=False, pin_memory=False)
-            t.predict(AttentionExtractor(engine), loader, return_predictions=False)
+            t.predict(AttentionExtractor(engine, rows), loader, return_predictions=False)
         elif batches:  # (no batch: nothing written, as Lightning's loop skips an empty loader)
             data = SentenceBatches(kept, keep, batches, engine.from_words, engine.to_words, engine.pad_id,
                                    pin=device.type == "cuda" and not num_workers)
-            predict_loop(engine, data, writer, t, device, lines, num_workers)
+            predict_loop(engine, data, writer, t, device, lines, num_workers, rows=rows)
     return cache.AttentionCache(final_dir)
 
 
 @dataclass(frozen=True)
 class AttentionMaps:
     """The attention-cache kind (:mod:`probes.extract.runner`): word-level maps of the map kind ``extract.maps``,
-    pooled ``from_words`` / ``to_words``, in ``<cache_dir>/attention``."""
+    pooled ``from_words`` / ``to_words``, in ``<cache_dir>/attention``; with ``rows`` (per sentence of the source,
+    positions 0..n + 1 of its word map) only those rows of each sentence's maps (:mod:`probes.extract.rows`)."""
+
+    rows: Rows | None = None
 
     folder = "attention"
     what = "attention"
 
+    def __post_init__(self):
+        if self.rows is not None:
+            object.__setattr__(self, "rows", normalized(self.rows))
+
     def key_fields(self, encoder: Encoder, settings) -> dict:
-        """Pooling, the stored layers, and the map kind with its options."""
+        """Pooling, the stored layers, and the map kind with its options; the kept rows' digest when there are
+        some (:func:`probes.extract.rows.rows_digest`)."""
         return dict(from_words=settings.from_words, to_words=settings.to_words, **settings.layer_key(encoder),
-                    **settings.map_key())
+                    **settings.map_key(), **({} if self.rows is None else dict(rows=rows_digest(self.rows))))
 
     def build(self, encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: str | Path,
               trainer: Callable[..., pl.Trainer], settings) -> cache.AttentionCache:
@@ -345,7 +394,7 @@ class AttentionMaps:
         return extract(encoder, sentences, key, cache_dir, trainer, from_words=settings.from_words,
                        to_words=settings.to_words, max_length=settings.max_length,
                        long_sentences=settings.long_sentences, maps=settings.maps, measures=settings.measures,
-                       layers=settings.layers_for(encoder), **settings.batching())
+                       layers=settings.layers_for(encoder), rows=self.rows, **settings.batching())
 
     def open(self, path: str | Path) -> cache.AttentionCache:
         """The complete entry at ``path``."""

@@ -36,6 +36,10 @@ Decoders (causal LMs): nothing changes. The only direction scored is the mention
 antecedent precedes its mention, so each pair is in the part of the map a causal row sees (unlike
 ``dep_heads``, where half the pairs point forward; see its module doc).
 
+Cache: by default (``mention_rows_only``) the entry keeps only the rows scored, each segment's mention heads' rows of
+its maps (:func:`mention_rows`, :mod:`probes.extract.rows`), keyed by them; the maps are computed whole and the rows
+are those of the whole-map entry, bit for bit, so the results are the same.
+
 Map kinds: ``extract.maps=<kind>`` scores that kind's maps (cached under their own key; per-layer kinds
 have head 0 only); a kind with a length bound (flow) makes segments no longer than it.
 
@@ -268,6 +272,17 @@ def segment_items(doc: CorefDocument, seg: Segment, seg_index: int) -> list[Eval
     return items
 
 
+def document_items(docs: list[CorefDocument], segments: list[Segment]) -> list[list[EvaluatedMention]]:
+    """:func:`segment_items` of every segment (segment i: its position in ``segments``)."""
+    return [segment_items(docs[g.doc], g, i) for i, g in enumerate(segments)]
+
+
+def mention_rows(items: Sequence[Sequence[EvaluatedMention]]) -> tuple[tuple[int, ...], ...]:
+    """Per segment, the rows of its word map that :func:`evaluate` scores: its evaluated mentions' head words
+    (position head + 1, [CLS] at 0), increasing, once each (none: a segment without such mentions)."""
+    return tuple(tuple(sorted({it.head + 1 for it in its})) for its in items)
+
+
 def head_predictions(attn: np.ndarray, heads: np.ndarray) -> np.ndarray:
     """Most-attended word (local index) of each mention head for every (layer, head).
 
@@ -486,12 +501,13 @@ def coref_source(docs, segments, dataset: str, split: str, digest: str, max_docu
 
 
 def coref_cache(ctx, docs, segments, dataset: str, split: str, digest: str, max_length: int,
-                max_documents: int | None):
-    """Word-level maps (``extract.maps``) of every segment: an attention-cache entry built by
+                max_documents: int | None, rows: Sequence[Sequence[int]] | None = None):
+    """Word-level maps (``extract.maps``) of every segment, or only the rows ``rows`` of each (per segment;
+    :func:`mention_rows`: an entry of chosen rows, :mod:`probes.extract.rows`): an attention-cache entry built by
     :func:`probes.extract.runner.build` (segments are made to fit ``max_length``: ``long_sentences=error``)."""
     settings = ExtractSettings.from_config(ctx.extract_cfg).replace(max_length=max_length, long_sentences="error")
     source = coref_source(docs, segments, dataset, split, digest, max_documents)
-    return runner.build(ctx.encoder, AttentionMaps(), source, settings, ctx.cache_dir)
+    return runner.build(ctx.encoder, AttentionMaps(rows), source, settings, ctx.cache_dir)
 
 
 def document_segments(tokenizer, docs: list[CorefDocument], max_length: int) -> tuple[list[Segment], int]:
@@ -508,13 +524,14 @@ def document_segments(tokenizer, docs: list[CorefDocument], max_length: int) -> 
 
 
 def evaluate(cache, docs: list[CorefDocument], segments: list[Segment], device: str | torch.device = "cpu",
-             progress: bool = True) -> CorefAccumulator:
-    """Every head and baseline on the segments' evaluated mentions (:func:`segment_items`): the heads from the
-    cache's word maps of the segments (entry i: segment i), the mention heads' rows only, a batch of segments at a
-    time on ``device`` (:func:`~probes.analysis.cached.word_row_batches`, :meth:`CorefAccumulator.add_batch`); a
-    KeyError when a segment with mentions is not in the cache."""
+             progress: bool = True, items: list[list[EvaluatedMention]] | None = None) -> CorefAccumulator:
+    """Every head and baseline on the segments' evaluated mentions (``items``, None: :func:`document_items`): the
+    heads from the cache's word maps of the segments (entry i: segment i; whole maps, or an entry of their
+    :func:`mention_rows`), the mention heads' rows only, a batch of segments at a time on ``device``
+    (:func:`~probes.analysis.cached.word_row_batches`, :meth:`CorefAccumulator.add_batch`); a KeyError when a
+    segment with mentions is not in the cache."""
     acc = CorefAccumulator(cache.num_layers, cache.num_heads)
-    items = [segment_items(docs[g.doc], g, i) for i, g in enumerate(segments)]
+    items = document_items(docs, segments) if items is None else items
     for its in items:
         acc.add_mentions(its)
     labels = MentionLabels(items).to(device)
@@ -533,11 +550,13 @@ def evaluate(cache, docs: list[CorefDocument], segments: list[Segment], device: 
 
 # ----------------------------------------------------------------------------- entry point
 def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_documents: int | None = None,
-                max_length: int | None = None, ontogum_dir: str = "gum_coref_ontogum",
+                max_length: int | None = None, mention_rows_only: bool = True, ontogum_dir: str = "gum_coref_ontogum",
                 litbank_dir: str = "litbank_coref/conll") -> pd.DataFrame:
     """Evaluate every head on antecedent selection; save the tables and the figure; return coref_table.
 
-    ``gum``: the UD GUM treebank (``conf/treebank/gum.yaml``; sentences for ``source=gum|ontogum``)."""
+    ``gum``: the UD GUM treebank (``conf/treebank/gum.yaml``; sentences for ``source=gum|ontogum``).
+    ``mention_rows_only``: the cache keeps only the rows scored (:func:`mention_rows`; False: whole maps); the
+    results are the same."""
     t0 = time.time()
     docs, dataset, split, digest = load_documents(ctx, gum, source, split, max_documents, ontogum_dir, litbank_dir)
     enc = ctx.encoder
@@ -550,8 +569,10 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
         log.warning("%d sentences exceed %d wordpieces and are left out of every segment", n_long, max_length)
     log.info("%s/%s: %d documents, %d coreferent mentions, %d segments (<= %d wordpieces)", dataset, split,
              len(docs), sum(len(d.mentions) for d in docs), len(segments), max_length)
-    cache = coref_cache(ctx, docs, segments, dataset, split, digest, max_length, max_documents)
-    acc = evaluate(cache, docs, segments, ctx.device)
+    items = document_items(docs, segments)
+    cache = coref_cache(ctx, docs, segments, dataset, split, digest, max_length, max_documents,
+                        mention_rows(items) if mention_rows_only else None)
+    acc = evaluate(cache, docs, segments, ctx.device, items=items)
     heads, table = tables(acc, cache.layers)
     ctx.save_table(heads, "coref_heads")
     ctx.save_table(table, "coref_table")
