@@ -2,10 +2,11 @@
 
 An analysis that scores a few words of each sentence (coref_heads: the mention heads' rows) asks for an entry of those
 rows only (:class:`probes.extract.stage.AttentionMaps` with ``rows``). The maps are computed whole, as for any entry;
-each batch's chosen rows are taken on the device (:func:`take_rows`, from a table of them made once) and only they are copied to the host and written,
-sentence i as one (R_i, L, H, W_i) float16 block (:class:`RowsWriter`), R_i its rows in increasing order (the
-manifest's ``rows``). The rows are those of the whole-map entry of the same sentences, bit for bit; the entry is
-R_i / W_i of its size. :meth:`probes.extract.cache.AttentionCache.rows` reads either kind of entry.
+each batch's chosen rows are taken on the device (:func:`take_rows`, from a table of them made once) and only they
+are copied to the host and written, sentence i as one (R_i, L, H, W_i) float16 block (:class:`RowsWriter`), R_i its
+rows in increasing order (the manifest's ``rows``). The rows are those of the whole-map entry of the same sentences,
+bit for bit; sentence i takes R_i / W_i of the bytes of its whole maps (coref_heads on GUM dev, MiniLM: 13% of the
+entry). :meth:`probes.extract.cache.AttentionCache.rows` reads either kind of entry.
 """
 
 from __future__ import annotations
