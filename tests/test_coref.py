@@ -1,5 +1,6 @@
 """Coreference readers, segmentation, baselines and the coref_heads analysis (tiny random BERT)."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -407,3 +408,7 @@ def test_mention_rows_cache_gives_the_whole_maps_results(tmp_path):
     entries = {e.kept_rows is not None: e for e in map(AttentionCache, (tmp_path / "cache" / "attention").iterdir())}
     assert set(entries) == {True, False}
     assert entries[True].manifest["bytes"] < entries[False].manifest["bytes"] / 2
+    for only in (True, False):
+        summary = json.loads((tmp_path / str(only) / "summary.json").read_text())
+        assert summary["mention_rows_only"] is only and summary["cache"] == str(entries[only].path)
+        assert summary["cache_bytes"] == entries[only].manifest["bytes"]

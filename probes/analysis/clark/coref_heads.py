@@ -583,6 +583,7 @@ def coref_heads(ctx, *, gum, source: str = "gum", split: str = "dev", max_docume
         analysis="coref_heads", source=source, dataset=dataset, split=split, encoder=enc.name, maps=kind,
         n_documents=len(docs), n_segments=len(segments), max_length=max_length, n_long_sentences=n_long,
         n_coreferent_mentions=n_coref, counts=dict(acc.count), cache=str(cache.path),
+        mention_rows_only=mention_rows_only, cache_bytes=cache.manifest["bytes"],
         seconds=round(time.time() - t0, 1),
         table={r.method: dict(name=r["name"], **{g: round(float(r[g]), 4) for g in GROUPS})
                for _, r in table.iterrows()}))
