@@ -273,7 +273,8 @@ def extract(encoder: Encoder, sentences: list[list[str]], key: dict, cache_dir: 
     :func:`checked_rows`); `trainer` is a partial Trainer constructor. Exactly one process builds an entry
     (:func:`probes.extract.cache.build_lock`): the others wait and read it, and take the build over if its builder
     dies."""
-    checked_rows(settings.get("rows"), sentences, key)
+    if settings.get("rows") is not None:
+        settings["rows"] = checked_rows(settings["rows"], sentences, key)  # normalized for _extract
     final_dir = cache.entry_dir(cache_dir, key)
     if cache.is_complete(final_dir):
         log.info("attention cache hit: %s", final_dir)
@@ -307,7 +308,7 @@ def _extract(
     measures: dict | None = None,
     layers: Sequence[int] | None = None,
     loop: str = "auto",
-    rows: Sequence[Sequence[int]] | None = None,
+    rows: Rows | None = None,
 ) -> cache.AttentionCache:
     """Write (or reuse) the cache entry for `key`; `trainer` is a partial Trainer constructor.
 
@@ -318,10 +319,10 @@ def _extract(
     ``loop``: ``auto`` (the stage's own loop where :func:`own_loop_device` allows it, else Lightning's predict),
     ``own`` (an error naming the reason where it cannot) or ``lightning``; the entry is the same.
     ``rows``: per sentence, the rows of its word map kept (positions 0..n + 1, [CLS] at 0; an entry of chosen rows,
-    :mod:`probes.extract.rows`, checked before any work); None: whole maps."""
+    :mod:`probes.extract.rows`), as :func:`extract` checked and normalized them (:func:`checked_rows`); None: whole
+    maps."""
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r}: expected one of {LOOPS}")
-    rows = checked_rows(rows, sentences, key)
     final_dir = cache.entry_dir(cache_dir, key)
     if cache.is_complete(final_dir):
         log.info("attention cache hit: %s", final_dir)
