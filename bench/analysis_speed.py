@@ -337,14 +337,13 @@ def main(argv=None) -> dict:
                 linguistic_rules()  # composed before the rounds
             if analysis == "pattern_types":
                 bench_classifier().inference_net()  # built before the rounds
-            built: dict = {}
-            p0 = time.process_time()  # the extraction's background threads (batches ahead, writes) included
-            with measured(built, args.device):  # the cache's extraction (not part of the rounds)
-                cached = (build_coref_cache(enc, coref, args.precision, Path(tmp), analysis == "coref_heads")
-                          if analysis in COREF
-                          else build_cache(enc, path, len(sentences), args.precision, Path(tmp)) if analysis in CACHED
-                          else None)
-            if cached is not None:
+            cached, built = None, {}
+            if analysis in CACHED:  # the cache's extraction, measured (not part of the rounds)
+                p0 = time.process_time()  # the extraction's background threads (batches ahead, writes) included
+                with measured(built, args.device):
+                    cached = (build_coref_cache(enc, coref, args.precision, Path(tmp), analysis == "coref_heads")
+                              if analysis in COREF
+                              else build_cache(enc, path, len(sentences), args.precision, Path(tmp)))
                 built.update(process_cpu_s=round(time.process_time() - p0, 3), bytes=cached[0].manifest["bytes"])
                 print(f"{analysis}: cache of {built['bytes'] / 1e6:.0f} MB extracted in {built['seconds']:.2f} s "
                       f"({built['process_cpu_s']:.2f} CPU-s of the process, anon peak {built['anon_peak_mib']} MiB)",
