@@ -69,7 +69,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
-
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from probes.analysis.beyond.sink import first_token_alpha, running_split_text, text_windows  # noqa: E402
 from probes.analysis.clark import coref_heads, dep_heads, head_stats  # noqa: E402
@@ -173,6 +173,24 @@ def host_outside_forward(m: dict) -> float:
     """A run's CPU-s outside the model's forward and the reductions: its host work (and, for bare, the engine's own)."""
     forward = m.get("forward_cpu_s", 0.0) - m.get("reductions_in_forward_cpu_s", 0.0)
     return m["cpu_s"] - forward - m.get("reductions_cpu_s", 0.0)
+
+
+def dispatched(run, device: str) -> dict:
+    """The operations one more (untimed) ``run()`` dispatches, under torch's profiler: the top-level aten operators
+    (those not called by another; each costs the host a dispatch, and on a GPU most are a kernel launch, a few
+    microseconds of host time each however small the work) and, on CUDA, the kernels the device ran."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    top = sum(1 for e in events if e.name.startswith("aten::")
+              and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    out = dict(aten_ops=top)
+    if device == "cuda":
+        out["kernels"] = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return out
 
 
 @contextlib.contextmanager
@@ -313,6 +331,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--data-dir", default=os.environ.get("PROBES_DATA_DIR", str(REPO_ROOT.parent / "shared/data")))
+    ap.add_argument("--ops", action="store_true",
+                    help="also count, in one more untimed run of each, the operators dispatched (and on CUDA the "
+                         "kernels) per 1,000 pieces")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -374,6 +395,16 @@ def main(argv=None) -> dict:
                         raise RuntimeError(f"{which}: no forward was timed (Attention.reduce / layer_maps not called)")
                     if which not in best or m["cpu_s"] < best[which]["cpu_s"]:
                         best[which] = m
+            ops = {}
+            if args.ops:  # one more run of each under the profiler (untimed): what each dispatches per 1,000 pieces
+                for which in ("bare", analysis):
+                    counted = dispatched(functools.partial(run_bare, enc, encoded, args.device, **kw) if which == "bare"
+                                         else functools.partial(run_analysis, analysis, enc, items, args.device, **kw,
+                                                                cached=cached), args.device)
+                    ops[which] = {f"{k}_per_1000_pieces": round(v / pieces * 1000, 1) for k, v in counted.items()}
+                if analysis in CACHED:  # the scoring alone was run: the analysis is the extraction's maps + it
+                    ops["scoring"] = ops.pop(analysis)
+                    ops[analysis] = {k: round(v + ops["scoring"].get(k, 0.0), 1) for k, v in ops["bare"].items()}
             bare, mine = best["bare"], best[analysis]
             # host work outside the forward, each run's own (no forward's variation between runs in it)
             direct = host_outside_forward(mine) - (0.0 if analysis in CACHED else host_outside_forward(bare))
@@ -395,6 +426,8 @@ def main(argv=None) -> dict:
                        # variation between the two runs
                        own_costs_ratio=round(bare["cpu_s"] / (bare["cpu_s"] + mine.get("reductions_cpu_s", 0.0)
                                                               + direct), 3))
+            if ops:
+                row["dispatched"] = ops
             results["analyses"][analysis] = row
             print(f"{analysis}: {len(items)} inputs ({n_sentences} sentences, {pieces} pieces); bare "
                   f"{row['bare']['tokens_per_s']} tok/s ({bare['cpu_s']:.2f} CPU-s, anon peak "
@@ -406,6 +439,11 @@ def main(argv=None) -> dict:
                   f"{row['reductions_cpu_s_per_1000']}, host work {row['host_cpu_s_per_1000']:+} (outside the "
                   f"forwards, each run's own: {row['host_outside_forward_cpu_s_per_1000']:+})" + (f"; GPU peak {mine.get('gpu_peak_gib')} GiB"
                                                       if args.device == "cuda" else ""), flush=True)
+            if ops:
+                print(f"{analysis}: dispatched per 1,000 pieces (one more run each, untimed): "
+                      + "; ".join(f"{which} " + ", ".join(f"{v:g} {k.removesuffix('_per_1000_pieces')}"
+                                                          for k, v in counted.items())
+                                  for which, counted in ops.items()), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return results

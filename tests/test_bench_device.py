@@ -83,6 +83,8 @@ def test_steps_cover_the_gpu_targets(tmp_path):
     extracted = [a for bench, a in steps.values() if bench == "extract_speed"]
     assert any(a.split == "train" for a in extracted) and any(a.split == "dev" for a in extracted)
     assert all({"auto", "lightning"} <= set(a.loop) and a.cache_dir for a in extracted)
+    # the operators and kernels each analysis dispatches: on a GPU the host's cost per launch
+    assert all(a.ops for bench, a in steps.values() if bench == "analysis_speed")
     # the most important steps first: a call cut short still measures the targets
     order = list(steps)
     assert order.index("analyses_train_bf16") < order.index("analyses_dev_others")

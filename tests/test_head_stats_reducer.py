@@ -123,3 +123,52 @@ def test_reducer_reads_no_padding_row():
             torch.testing.assert_close(part[k], batch[k])
     with pytest.raises(ValueError, match="stats=\\['clss'\\]"):
         HeadStats(stats=("clss",))
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_windowed_blocks_of_rows_and_keys_equal_loops(monkeypatch, chunk):
+    """A sliding window's maps (row r attends to keys r - 3 .. r), reduced in blocks of rows over only the keys they
+    see (so a block's keys start after position 0, as the engine hands a sliding-window layer's blocks), whole or in
+    chunks of one row, with padding rows holding NaN: every statistic equals the plain loops on each item's map, and
+    ``cls`` alone equals the same."""
+    from probes.maps.reducers import HeadStats
+    from probes.model.inputs import Encoded
+
+    if chunk is not None:
+        monkeypatch.setattr(HeadStats, "CPU_CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(1)
+    ns, H, window, rows = [9, 5, 12], 3, 4, 3
+    T = max(ns)
+    probs = torch.full((len(ns), H, T, T), float("nan"))  # (B, H, T, T) padding rows NaN
+    pieces, special = [], []
+    for i, n in enumerate(ns):
+        probs[i, :, :n] = 0.0
+        for r in range(n):
+            lo = max(0, r - window + 1)
+            probs[i, :, r, lo:r + 1] = torch.softmax(torch.randn(H, r + 1 - lo, generator=g), -1)
+        pieces.append([{2: ".", 3: ","}.get(j % 4, f"w{j}") for j in range(n)])
+        special.append([j in (0, n // 2, n - 1) for j in range(n)])  # first, a separator in the middle, last
+    sep = [[s and j > 0 for j, s in enumerate(sp)] for sp in special]
+    punct = [[p in (".", ",") and not s and 0 < j < len(p_) - 1 for j, (p, s) in enumerate(zip(p_, sp))]
+             for p_, sp in zip(pieces, special)]
+    items = [Encoded(list(range(n)), list(range(n)), n) for n in ns]
+
+    def run(reducer):
+        reducer.start([0], H, list(range(len(ns))), items, T, torch.device("cpu"))
+        for a in range(0, T, rows):
+            b = min(T, a + rows)
+            lo = max(0, a - window + 1)  # the first key any of these rows sees
+            reducer.update(0, probs[:, :, a:b, lo:b], (a, b), (lo, b))
+        return reducer.batch_results()
+
+    # head_stats' statistics (prev / self / next from the block's diagonals), all of them (from the attention by
+    # offset, with the distance), cls alone
+    got = [run(HeadStats(sep=lambda k, e: sep[k], punct=lambda k, e: punct[k], stats=stats))
+           for stats in (head_stats.HEAD_STATS, None)]
+    cls = run(HeadStats(stats=("cls",)))["cls"]
+    for i, n in enumerate(ns):
+        want = reference.head_stats_by_loops(probs[i:i + 1, :, :n, :n].double().numpy(), pieces[i], special[i])
+        for k in head_stats.HEAD_STATS:
+            for g_ in got:
+                np.testing.assert_allclose(g_[k][i].numpy(), want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(cls[i].numpy(), want["cls"], rtol=1e-5, atol=1e-7)

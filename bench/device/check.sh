@@ -5,6 +5,7 @@
 # call ends well inside the tool's 600 s), and is cut at what is left:
 #   1. the machine: GPU, driver, torch, transformers, disk
 #   2. head_stats and sink, bert-base shape (random weights), all of EWT train, bf16-mixed, the analyses' batches
+#      (each analysis step also counts, in one more untimed run, the operators and kernels per 1,000 pieces)
 #   3. the same at 32-true, batches of 32,768 pieces
 #   4. extraction into the cache (bench/extract_speed.py), all of EWT dev, bf16-mixed and 32-true, the stage's own
 #      loop and Lightning's, with the cache folder's write rate measured in the same run
@@ -53,7 +54,7 @@ machine='nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>
 python3 -c "import sys, torch, transformers, hydra; print(sys.version.split()[0], \"torch\", torch.__version__,
   \"transformers\", transformers.__version__, \"GPU\", torch.cuda.is_available() and torch.cuda.get_device_name())"'
 
-analysis=(python3 bench/analysis_speed.py --device "$DEVICE" --encoder bert-base-random)
+analysis=(python3 bench/analysis_speed.py --device "$DEVICE" --encoder bert-base-random --ops)
 # the cache in the working tree's folder (on the machine's disk, as a project's .cache/ would be)
 extract=(python3 bench/extract_speed.py --device "$DEVICE" --encoder bert-base-random --loop auto lightning
          --cache-dir "$PWD/.carry")

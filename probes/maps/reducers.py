@@ -291,14 +291,17 @@ class HeadStats(Reducer):
     ``distance_hist``: mean over rows of the attention at each distance bin (:func:`distance_bin_edges`).
 
     Every block is reduced for the whole batch at once, with tensor operations on the maps' device (no loop over
-    the items): per-row quantities (the attention to the flagged keys by one matmul, the smoothed rows' entropy),
-    and the attention at each offset j - i summed over the rows with each row's weight (1 / n; 0 for padding) by
-    one matmul on the block skewed so that an offset is a column (prev / self / next, the distance and its
-    histogram come from it). Padding rows are never read into a sum (a padded row's values, even non-finite ones,
-    are set aside with ``where`` / zeroed).
+    the items): per-row quantities (the attention to the flagged keys by one matmul, the block's diagonals, the
+    smoothed rows' entropy) stacked and summed over the rows with each statistic's row weights (1 / n; 0 for
+    padding) by one product, a few dozen operations per block whatever the batch (on a GPU each operation is a
+    kernel launch); with the distance, the attention at each offset j - i summed over the rows by one matmul on
+    the block skewed so that an offset is a column (prev / self / next, the distance and its histogram come from
+    it). A block is reduced in chunks of rows whose temporaries stay within :attr:`CPU_CHUNK_ELEMENTS` on a CPU,
+    :attr:`GPU_CHUNK_ELEMENTS` elsewhere (a batch's block in one chunk). Padding rows are never read into a sum (a
+    padded row's values, even non-finite ones, are set aside with ``where`` / zeroed).
 
-    State: per statistic (B, L', H) float64 sums over rows (the histogram (B, L', H, K)) on the maps' device, and
-    per item its length, its separator and punctuation flags (B, T) and each row's weights (B, T).
+    State: the (B, L', H, S) float64 sums over rows of the S statistics (the histogram (B, L', H, K)) on the maps'
+    device, and per item its length, its separator and punctuation flags (B, T) and each row's weights (B, T).
     :meth:`batch_results` gives the batch's statistics as (B, L', H) tensors (for sums over many batches kept on
     the device: :mod:`probes.analysis.clark.head_stats`), :meth:`results` one dict per item.
 
@@ -331,12 +334,27 @@ class HeadStats(Reducer):
         if unknown or (stats is not None and not stats):
             raise ValueError(f"stats={list(stats)}: expected a non-empty subset of {list(self.STATS)}")
         self.stats = frozenset(stats or self.STATS) - ({"punct"} if punct is None else set())
-    CHUNK_ELEMENTS = 2 ** 22  # floats of one chunk's largest temporary (the skewed rows: B x H x q x (c + q))
+        # the statistics summed over rows in _chunk (prev / self / next come from _offsets when it runs)
+        offsets = self.stats & {"distance", "distance_hist"}
+        self._fused = tuple(k for k in self.SUMS if k in self.stats and k != "distance"
+                            and not (offsets and k in self._DIAGONALS))
+    CPU_CHUNK_ELEMENTS = 2 ** 22  # floats of one chunk's largest temporary (the skewed rows: B x H x q x (c + q))
+    GPU_CHUNK_ELEMENTS = 2 ** 26  # elsewhere: a batch's block in one chunk (each operation is a kernel launch)
+    CHUNK_COPIES = 4  # temporaries of a chunk's size: the block in float32, x and its log, the skewed rows
+    _DIAGONALS = {"prev": -1, "self": 0, "next": 1}  # key offset j - i of each diagonal statistic
+    _TO_KEYS = {"cls": 0, "sep": 1, "sep_sep": 1, "rest_sep": 1, "punct": 2}  # column of the flagged keys' matmul
+
+    def _chunk_elements(self, device) -> int:
+        return self.CPU_CHUNK_ELEMENTS if torch.device(device).type == "cpu" else self.GPU_CHUNK_ELEMENTS
 
     def nbytes(self, layers, heads, positions, items, device=None) -> int:
-        T = max((e.n_pieces for e in items), default=0)
-        return (len(items) * len(layers) * int(heads) * (len(self.SUMS) + self.bins) * 8
-                + len(items) * T * (4 * FLOAT_BYTES + 3 * 8 + 1))
+        """The (B, L', H, S) sums and (B, L', H, K) histogram, per item its flags and row weights, and a chunk's
+        temporaries (the device's chunk; None: the larger, a GPU's)."""
+        B, T = len(items), max((e.n_pieces for e in items), default=0)
+        most = self._chunk_elements(device) if device is not None else self.GPU_CHUNK_ELEMENTS
+        chunk = min(most, B * int(heads) * T * (T + min(T, 64)))
+        return (B * len(layers) * int(heads) * (len(self.SUMS) + self.bins) * 8
+                + B * T * (4 * FLOAT_BYTES + (3 + len(self._fused)) * 8 + 1) + self.CHUNK_COPIES * chunk * FLOAT_BYTES)
 
     def _flags(self, positions, items, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(separators (B, T) bool, punctuation (B, T) bool) of the batch, padding False: one tensor per batch."""
@@ -375,87 +393,113 @@ class HeadStats(Reducer):
         self.entr_c = torch.special.entr(c).to(device)  # (B,)
         self.entr_out = torch.special.entr(s / n).to(device)  # (B,)
         self.n_t = n.to(device)  # (B,)
-        self.sums = {k: torch.zeros(B, L, H, dtype=torch.float64, device=device) for k in self.SUMS}
+        self.c32 = self.c.float()[:, None, None, None]  # (B, 1, 1, 1)
+        self._constants = {}  # (lo, c) -> (B,) float64: _entropy_constant
+        # the sums over rows of every statistic (B, L', H, S), one name's a (B, L', H) view of it
+        self.acc = torch.zeros(B, L, H, len(self.SUMS), dtype=torch.float64, device=device)
+        self.sums = {k: self.acc[..., i] for i, k in enumerate(self.SUMS)}
+        # the row weights of the statistics summed in _chunk (B, T, F): cls_entropy reads row 0 alone
+        first = (torch.arange(T) == 0).double().expand(B, T).to(device)  # (B, T)
+        weight = dict(sep_sep=self.w_sep, rest_sep=self.w_rest, cls_entropy=first)
+        self.w_fused = (torch.stack([weight.get(k, self.w_row) for k in self._fused], -1) if self._fused
+                        else None)  # (B, T, F)
+        self.fused_index = torch.tensor([self.SUMS.index(k) for k in self._fused], device=device)  # (F,)
         self.hist = torch.zeros(B, L, H, self.bins, dtype=torch.float64, device=device)  # (B, L', H, K)
         self.edges = torch.tensor(distance_bin_edges(self.bins)[1:], device=device)  # (K - 1,) upper bounds
 
     def update(self, layer, probs, rows, cols) -> None:
-        (a, b), (lo, hi) = rows, cols
+        (a, b), (lo, _) = rows, cols
         B, H, q, c = probs.shape
         last = min(b, max(self.n))  # rows at or beyond every item's length are padding only
         if last <= a or lo >= max(self.n):
             return
-        step = max(1, self.CHUNK_ELEMENTS // (B * H * (c + min(q, 64))))
+        step = max(1, self._chunk_elements(probs.device) // (B * H * (c + min(q, 64))))
         for r0 in range(a, last, step):  # a bounded share of the block at a time
             r1 = min(last, r0 + step)
             self._chunk(self._position(layer), probs[:, :, r0 - a:r1 - a].float(), r0, lo)
 
     def _chunk(self, l: int, p: torch.Tensor, a: int, lo: int) -> None:
         """Add the statistics of rows a .. a + q of the batch (p (B, H, q, c) over keys lo .. lo + c) to layer
-        position l's sums."""
+        position l's sums: every statistic's per-row quantity stacked (B, H, q, F), padding rows set to 0, and
+        summed over the rows with each statistic's row weights by one product and sum, added to the sums by one
+        ``index_add_`` (a few operations per chunk whatever the statistics: on a GPU each is a kernel launch)."""
         B, H, q, c = p.shape
-        s, sums, want = self.smoothing, self.sums, self.stats
+        want = self.stats
         w_row = self.w_row[:, a:a + q]  # (B, q) 0 for padding rows
         valid = w_row > 0  # (B, q)
         some_padding = min(self.n) < a + q
-
-        def mean_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x (B, H, q), w (B, q) -> (B, H)
-            if some_padding:
-                x = torch.where(valid[:, None, :], x, 0.0)
-            return (x * w[:, None, :]).sum(-1)
-
         to = None
         if want & (self._KEYS | self._ENTROPY):
             keys = self.keys[:, None, lo:lo + c]  # (B, 1, c, 4)
             to = torch.matmul(p, keys).double()  # (B, H, q, 4): to position 0, separators, punctuation, all keys
-        if "cls" in want and lo == 0:
-            sums["cls"][:, l] += mean_rows(to[..., 0] if to is not None else p[..., 0].double(), w_row)
-        for name, col, w in (("sep", 1, w_row), ("sep_sep", 1, self.w_sep[:, a:a + q]),
-                             ("rest_sep", 1, self.w_rest[:, a:a + q]), ("punct", 2, w_row)):
-            if name in want:
-                sums[name][:, l] += mean_rows(to[..., col], w)
         if want & {"distance", "distance_hist"}:
             self._offsets(l, p, a, lo, valid, w_row, some_padding)
-        else:  # prev / self / next alone: three diagonals of the block
-            for name, off in (("prev", -1), ("self", 0), ("next", 1)):
-                if name in want:
-                    self._diagonal(l, name, p, a - lo + off, w_row)
-        if not want & self._ENTROPY:
+        if not self._fused:
             return
-        # entropy of the smoothed row y = (1 - s) p + s / n = (1 - s) (p + c) over the item's n keys, c = s / (n (1 - s)):
-        # sum_j entr(y_j) = (1 - s) sum_j entr(p_j + c) - (1 - s) log(1 - s) sum_j (p_j + c). The block's columns beyond
-        # the item's length (p = 0) are taken out again; its keys outside the block (p = 0) add entr(s / n) each
-        cn = (self.n_t - lo).clamp(0, c)  # (B,) the item's real keys in the block
-        x = torch.add(p, self.c.float()[:, None, None, None])  # (B, H, q, c)
-        if s > 0:  # x > 0: entr(x) = -x log x, as log then an in-place product (twice entr's speed on a CPU)
-            y = log_into(x, torch.empty_like(x))
-            block = y.mul_(x).sum(-1).double().neg_()  # (B, H, q)
-            del y
-        else:
-            block = torch.special.entr(x).sum(-1).double()  # (B, H, q)
-        del x
-        cn_, pad_ = cn[:, None, None], (c - cn)[:, None, None]
-        ent = (1.0 - s) * (block - pad_ * self.entr_c[:, None, None]
-                           - math.log1p(-s) * (to[..., 3] + self.c[:, None, None] * cn_))
-        ent = ent + (self.n_t[:, None, None] - cn_) * self.entr_out[:, None, None]  # (B, H, q)
-        if some_padding:
-            ent = torch.where(valid[:, None, :], ent, 0.0)
-        if "entropy" in want:
-            sums["entropy"][:, l] += mean_rows(ent, w_row)
-        if "cls_entropy" in want and a == 0:
-            sums["cls_entropy"][:, l] += ent[:, :, 0]
+        ent = self._entropy(p, lo, to) if want & self._ENTROPY else None  # (B, H, q)
+        quantities = []  # per-row quantities (B, H, q) float64, in the order of self._fused
+        for name in self._fused:
+            if name in self._DIAGONALS:  # block diagonal a - lo + offset: row r's attention to key a + r + offset
+                quantities.append(self._diagonal(p, a - lo + self._DIAGONALS[name]))
+            elif name in self._TO_KEYS:
+                if to is not None:
+                    quantities.append(to[..., self._TO_KEYS[name]])
+                elif lo == 0:  # cls alone: the column of position 0
+                    quantities.append(p[..., 0].double())
+                else:  # position 0 is not among these keys
+                    quantities.append(p.new_zeros((B, H, q), dtype=torch.float64))
+            else:  # entropy, cls_entropy (whose weights keep row 0 alone)
+                quantities.append(ent)
+        rows = torch.stack(quantities, -1)  # (B, H, q, F)
+        if some_padding:  # padding rows set aside (even where they hold non-finite values)
+            rows = torch.where(valid[:, None, :, None], rows, 0.0)
+        sums = (rows * self.w_fused[:, None, a:a + q]).sum(2)  # (B, H, F)
+        self.acc[:, l].index_add_(2, self.fused_index, sums)
 
-    def _diagonal(self, l: int, name: str, p: torch.Tensor, d: int, w_row: torch.Tensor) -> None:
-        """Add the weighted sum over rows of block diagonal ``d`` (entry (r, r + d) of p (B, H, q, c): row a + r's
-        attention to key a + r + offset) to ``name``'s sums."""
+    @staticmethod
+    def _diagonal(p: torch.Tensor, d: int) -> torch.Tensor:
+        """Block diagonal ``d`` of p (B, H, q, c) as one value per row (B, H, q) float64: row r's entry (r, r + d),
+        0 where r + d is outside the block's keys."""
         B, H, q, c = p.shape
         diag = torch.diagonal(p, offset=d, dim1=-2, dim2=-1)  # (B, H, m): rows max(0, -d) .. of the block
-        if not diag.shape[-1]:
-            return
-        r0 = max(0, -d)
-        w = w_row[:, r0:r0 + diag.shape[-1]]  # (B, m) 0 for padding rows
-        rows = torch.where(w[:, None, :] > 0, diag.double(), 0.0)  # (B, H, m) padding rows set aside
-        self.sums[name][:, l] += (rows * w[:, None, :]).sum(-1)
+        r0, m = max(0, -d), diag.shape[-1]
+        if not m:
+            return p.new_zeros((B, H, q), dtype=torch.float64)
+        return torch.nn.functional.pad(diag.double(), (r0, q - r0 - m))  # (B, H, q)
+
+    def _entropy(self, p: torch.Tensor, lo: int, to: torch.Tensor) -> torch.Tensor:
+        """The entropy (nats) of each row's smoothed distribution over its item's n keys (B, H, q) float64, from the
+        block p (B, H, q, c) over keys lo .. lo + c and ``to`` (B, H, q, 4), the rows' attention to all keys.
+
+        With the smoothed row y = (1 - s) p + s / n = (1 - s) (p + c') over the item's n keys, c' = s / (n (1 - s)):
+        sum_j entr(y_j) = (1 - s) sum_j entr(p_j + c') - (1 - s) log(1 - s) sum_j (p_j + c'). The block's columns
+        beyond the item's length (p = 0) are taken out again, and its keys outside the block (p = 0) add entr(s / n)
+        each: per item a constant of (lo, c) (:meth:`_entropy_constant`)."""
+        B, H, q, c = p.shape
+        s = self.smoothing
+        x = torch.add(p, self.c32)  # (B, H, q, c)
+        if s > 0:  # x > 0: entr(x) = -x log x, as log then an in-place product (twice entr's speed on a CPU)
+            y = log_into(x, torch.empty_like(x))
+            block = y.mul_(x).sum(-1).double()  # (B, H, q) minus sum_j entr(p_j + c')
+            del y
+            scale = -(1.0 - s)
+        else:
+            block = torch.special.entr(x).sum(-1).double()  # (B, H, q)
+            scale = 1.0 - s
+        del x
+        ent = torch.add(block.mul_(scale), to[..., 3], alpha=-(1.0 - s) * math.log1p(-s))  # (B, H, q)
+        return ent.add_(self._entropy_constant(lo, c)[:, None, None])
+
+    def _entropy_constant(self, lo: int, c: int) -> torch.Tensor:
+        """(B,) float64: the part of each item's row entropy that depends only on the block's keys lo .. lo + c
+        (:meth:`_entropy`), computed once per batch and block shape."""
+        key = (lo, c)
+        if key not in self._constants:
+            s = self.smoothing
+            cn = (self.n_t - lo).clamp(0, c)  # (B,) the item's real keys in the block
+            self._constants[key] = ((1.0 - s) * (-(c - cn) * self.entr_c - math.log1p(-s) * self.c * cn)
+                                    + (self.n_t - cn) * self.entr_out)
+        return self._constants[key]
 
     def _offsets(self, l: int, p: torch.Tensor, a: int, lo: int, valid: torch.Tensor, w_row: torch.Tensor,
                  some_padding: bool) -> None:
