@@ -170,6 +170,8 @@ def test_padding_and_length_batches():
     assert out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert out["token_type_ids"].tolist() == [[0, 0, 1], [0, 0, 0]]
+    with pytest.raises(ValueError, match="sequence 1: 1 token type ids for 2 ids"):
+        pad([[5, 6, 7], [8, 9]], pad_id=0, type_ids=[[0, 0, 1], [1]])  # (one id would have filled the row)
     batches = length_batches([5, 1, 9, 3, 3], max_tokens=9, max_batch_size=2)
     assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
     assert all(len(b) * max([5, 1, 9, 3, 3][i] for i in b) <= 9 for b in batches if len(b) > 1)

@@ -324,10 +324,12 @@ def pad(seqs: Sequence[Sequence[int]], pad_id: int, type_ids: Sequence[Sequence[
     mask = real.long()  # (B, T)
     tt = None
     if type_ids is not None:
+        for k, (s, t) in enumerate(zip(seqs, type_ids)):
+            if t is not None and len(t) != len(s):
+                raise ValueError(f"sequence {k}: {len(t)} token type ids for {len(s)} ids")
         tt = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-        for k, s in enumerate(seqs):
-            if type_ids[k] is not None:
-                tt[k, :len(s)] = torch.as_tensor(list(type_ids[k]), dtype=torch.long)
+        tt[real] = torch.tensor([i for s, t in zip(seqs, type_ids) for i in (t if t is not None else [0] * len(s))],
+                                dtype=torch.long)  # every sequence's types at once, as the ids
     out = dict(input_ids=input_ids, attention_mask=mask)
     if tt is not None:
         out["token_type_ids"] = tt
