@@ -338,6 +338,7 @@ class HeadStats(Reducer):
         offsets = self.stats & {"distance", "distance_hist"}
         self._fused = tuple(k for k in self.SUMS if k in self.stats and k != "distance"
                             and not (offsets and k in self._DIAGONALS))
+
     CPU_CHUNK_ELEMENTS = 2 ** 22  # floats of one chunk's largest temporary (the skewed rows: B x H x q x (c + q))
     GPU_CHUNK_ELEMENTS = 2 ** 26  # elsewhere: a batch's block in one chunk (each operation is a kernel launch)
     CHUNK_COPIES = 4  # temporaries of a chunk's size: the block in float32, x and its log, the skewed rows
