@@ -19,6 +19,10 @@ on the gold UD labels, its ``source=treebank``).
 ``--encoder``: the extraction bench's choices (``extract_speed.load_bench_encoder``: ``minilm``,
 ``bert-base-random``: bert-base's shape with random weights and the MiniLM vocabulary, no download; or a folder).
 
+``--precision bf16-mixed``: the whole model held in bf16 (:func:`probes.model.frozen.compute_in`, as the extraction
+stage computes at ``bf16-mixed``, and what ``encoder.dtype=bfloat16`` gives an analysis of a live model), under
+autocast for the rest.
+
 For each analysis, in alternation for ``--rounds`` rounds (the best of each kept), on the same inputs and batches:
 
 * ``bare``: the map computation alone: every layer's attention probabilities computed on the project's attention
@@ -95,6 +99,7 @@ from probes.maps import engine as engine_module  # noqa: E402
 from probes.maps.reducers import HeadDistances, HeadStats, Reducer  # noqa: E402
 from probes.measures.attention import Attention  # noqa: E402
 from probes.memory import AnonPeak  # noqa: E402
+from probes.model.frozen import compute_in  # noqa: E402
 from extract_speed import load_bench_encoder  # noqa: E402  (the same encoders as the extraction bench)
 
 ANALYSES = ("head_stats", "head_stats_single", "sink", "clustering", "head_stats_loop", "dep_heads", "coref_heads",
@@ -358,7 +363,9 @@ def main(argv=None) -> dict:
                    device=args.device, precision=args.precision, sentences=len(sentences), split=args.split,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), analyses={})
     kw = dict(max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
-    with autocast, tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
+    # bf16-mixed as the project's extraction runs it: the whole model held in bf16 (no per-call casts of the weights:
+    # what encoder.dtype=bfloat16 gives a streamed analysis), under autocast for the rest
+    with autocast, compute_in(enc.model, args.precision), tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
         for analysis in args.analyses:
             coref = (coref_data(enc, args.data_dir, args.split, len(sentences)) if analysis in COREF
                      else None)
