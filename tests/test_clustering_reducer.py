@@ -100,9 +100,12 @@ class PieceAttention(Measure):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("path", ["reduced", "piece maps"])
-def test_distances_equal_a_per_sentence_loop(model, pairs, path, dtype):
+@pytest.mark.parametrize("pair_blocks", [False, True])  # a CPU's loop over heads a; a GPU's blocks of pairs
+def test_distances_equal_a_per_sentence_loop(model, pairs, path, dtype, pair_blocks, monkeypatch):
     """head_distances (attention reduced by the engine, or a kind's piece maps) equals the eager per-sentence
-    loop: the distances, the statistics clustering reports, the sequences read and their pieces."""
+    loop: the distances, the statistics clustering reports, the sequences read and their pieces; either way of
+    reducing the pairs of heads."""
+    monkeypatch.setattr(HeadDistances, "_by_pair_blocks", lambda self, device: pair_blocks)
     family, enc, eager, tok, sentences = model
     if pairs and family == "llama":
         pytest.skip("a decoder has no pair form of its own tokenizer to build the reference from")
@@ -164,8 +167,9 @@ def test_blocks_of_rows_equal_whole_maps(model):
     torch.testing.assert_close(out[1], out[0], rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("pair_blocks", [False, True])  # a CPU's loop over heads a; a GPU's blocks of pairs
 @pytest.mark.parametrize("smoothing", [SMOOTHING, 0.0])
-def test_padding_never_leaks(smoothing):
+def test_padding_never_leaks(smoothing, pair_blocks):
     """Padded rows and keys, even non-finite ones, never reach a sum: a batch given whole, in blocks of rows, in
     blocks of rows and keys (a causal layer: the keys after a block's last row hold 0 and are not handed over), in
     small chunks, equals each item alone."""
@@ -184,7 +188,7 @@ def test_padding_never_leaks(smoothing):
     want = [loop_js(maps[:, i, :, :n, :n].double().numpy(), smoothing) for i, n in enumerate(ns)]
 
     def run(rows: int, key_blocks: bool, chunk: int | None) -> torch.Tensor:
-        r = HeadDistances(smoothing, chunk_elements=chunk)
+        r = HeadDistances(smoothing, chunk_elements=chunk, pair_blocks=pair_blocks)
         r.start([0, 1], H, range(B), items, T, torch.device("cpu"))
         for l in range(L):
             for a in range(0, T, rows):
@@ -208,11 +212,15 @@ def test_nbytes_and_errors():
     maps = 2 * 3 * 4 * 9 * 9 * 4  # B x L' x H x T^2 float32
     assert r.nbytes([0, 1, 2], 4, [0, 1], items) >= maps
     assert HeadDistances(dtype=torch.float64).nbytes([0, 1, 2], 4, [0, 1], items) >= 2 * maps
-    # on a CPU the chunk's temporaries are the CPU's chunk, not a GPU's (the device not given: the larger)
+    # on a CPU the chunk's two temporaries are the CPU's chunk, not a GPU's (the device not given: the larger, and
+    # the three of a GPU's blocks of pairs)
     big = [Encoded(list(range(n)), list(range(n)), n) for n in (300, 300)]
     cpu, any_device = (r.nbytes(list(range(6)), 12, [0, 1], big, d) for d in (torch.device("cpu"), None))
     pair_rows = 2 * (6 * 12 - 1) * 300 * 300  # every pair's rows of the batch: less than a GPU's chunk
-    assert any_device - cpu == 2 * 4 * (min(HeadDistances.GPU_CHUNK_ELEMENTS, pair_rows) - HeadDistances.CPU_CHUNK_ELEMENTS)
+    assert any_device - cpu == 4 * (3 * min(HeadDistances.GPU_CHUNK_ELEMENTS, pair_rows)
+                                    - 2 * HeadDistances.CPU_CHUNK_ELEMENTS)
+    assert HeadDistances(pair_blocks=True).nbytes(list(range(6)), 12, [0, 1], big, torch.device("cpu")) - cpu == (
+        4 * HeadDistances.CPU_CHUNK_ELEMENTS)  # a CPU asked for blocks of pairs: a third temporary
     for bad in (dict(smoothing=1.0), dict(smoothing=-0.1), dict(dtype=torch.int32), dict(chunk_elements=0)):
         with pytest.raises(ValueError):
             HeadDistances(**bad)

@@ -588,9 +588,10 @@ class HeadDistances(Reducer):
     smoothed rows), ``JS = 1/2 sum (ln 2 t - t log t + x_a log x_a + x_b log x_b)``; per head the sums of x and
     x log x over its real entries, per pair a < b the sum of t log t over runs of items of similar lengths (each over
     its own longest T' rows and keys, :meth:`_runs`), in chunks of items x heads x rows x T' whose temporaries stay
-    within ``chunk_elements``; each row's sum in ``dtype``, the sums over rows in float64. Padded rows and keys are
-    set to 1/2 (whatever the block held there, non-finite values included): a pair's t is then 1 and t log t
-    exactly 0, so no padded entry reaches a sum. Rounding: in float32 a row's JS is a difference of sums of about
+    within ``chunk_elements``; on a GPU (``pair_blocks``) blocks of pairs gathered by index over the whole batch
+    instead, a few operations per block (:meth:`_pair_blocks`). Each row's sum in ``dtype``, the sums over rows in
+    float64. Padded rows and keys are set to 1/2 (whatever the block held there, non-finite values included): a
+    pair's t is then 1 and t log t exactly 0, so no padded entry reaches a sum. Rounding: in float32 a row's JS is a difference of sums of about
     log n nats, so it carries about 1e-7 nats of rounding (relative to a small distance, of two nearly identical
     heads, more); ``dtype=float64`` is exact to rounding.
 
@@ -605,6 +606,10 @@ class HeadDistances(Reducer):
         dtype: the maps' and the chunks' dtype (float32; float64 for exact checks); sums are float64.
         chunk_elements: the most elements of one chunk's temporaries; None: :attr:`CPU_CHUNK_ELEMENTS` on a CPU
             (the chunk stays in the caches), :attr:`GPU_CHUNK_ELEMENTS` elsewhere.
+        pair_blocks: reduce blocks of pairs (a, b) at once, gathered by index (:meth:`_pair_blocks`: a few
+            operations per block, each a kernel launch on a GPU), over the whole batch as one run; False: head a
+            against the heads after it, one a at a time, over runs of similar lengths (:meth:`_pairs`: each chunk
+            stays in a CPU's caches, no padding work). None: pair blocks on any device but a CPU.
     """
 
     PAD = 0.5  # padded entries: t = 1/2 + 1/2, t log t = 0
@@ -612,7 +617,9 @@ class HeadDistances(Reducer):
     GPU_CHUNK_ELEMENTS = 2 ** 26  # 256 MiB of float32 per temporary
     RUN_PADDING = 0.1  # the most padded share of a run's work (:meth:`_runs`; 1,000 EWT pairs: 27 % in whole batches)
 
-    def __init__(self, smoothing: float = 1e-3, dtype: torch.dtype = torch.float32, chunk_elements: int | None = None):
+    def __init__(self, smoothing: float = 1e-3, dtype: torch.dtype = torch.float32, chunk_elements: int | None = None,
+                 pair_blocks: bool | None = None):
+        self.pair_blocks = pair_blocks
         self.smoothing = float(smoothing)
         if not 0.0 <= self.smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
@@ -627,6 +634,9 @@ class HeadDistances(Reducer):
             return int(self.chunk_elements)
         return self.CPU_CHUNK_ELEMENTS if torch.device(device).type == "cpu" else self.GPU_CHUNK_ELEMENTS
 
+    def _by_pair_blocks(self, device: torch.device) -> bool:
+        return self.pair_blocks if self.pair_blocks is not None else torch.device(device).type != "cpu"
+
     def nbytes(self, layers, heads, positions, items, device=None) -> int:
         """The whole smoothed maps, the chunk's two temporaries (the device's chunk, :meth:`_chunk`; None: the
         larger, :attr:`GPU_CHUNK_ELEMENTS`, unless ``chunk_elements``; at least one row of one pair), one head's masked
@@ -635,7 +645,8 @@ class HeadDistances(Reducer):
         K, size = len(layers) * int(heads), torch.finfo(self.dtype).bits // 8
         most = self._chunk(device) if device is not None else (self.chunk_elements or self.GPU_CHUNK_ELEMENTS)
         chunk = max(B * T, min(most, B * max(K - 1, 1) * T * T))
-        return (B * K * T * T + 2 * chunk + 2 * B * T * T) * size + 4 * B * K * K * 8 + B * T * T
+        copies = 3 if device is None or self._by_pair_blocks(device) else 2  # pair blocks: a's, b's, t log t
+        return (B * K * T * T + copies * chunk + 2 * B * T * T) * size + 4 * B * K * K * 8 + B * T * T
 
     def start(self, layers, heads, positions, items, T, device) -> None:
         self._set_layers(layers, heads)
@@ -721,13 +732,35 @@ class HeadDistances(Reducer):
                         out[i:j, a, b0:b0 + heads] += tlt.sum(-1).sum(-1, dtype=torch.float64)  # rows: float64
         return out
 
+    def _pair_blocks(self, x: torch.Tensor, chunk: int) -> torch.Tensor:
+        """As :meth:`_pairs` (x (B, K, T, T) -> (B, K, K) float64, 0 where a >= b), over the whole batch as one run:
+        the pairs a < b in blocks of as many as a chunk holds, each block's a and b maps gathered by index (n, k, T,
+        T), added, t log t summed over each row (in ``dtype``) and over the rows (float64), written to the pairs'
+        entries at once; a few operations per block whatever the number of heads. Items whose one pair of maps
+        exceeds a chunk (long documents) are left to :meth:`_pairs`."""
+        B, K, T, _ = x.shape
+        out = torch.zeros(B, K, K, dtype=torch.float64, device=x.device)  # (B, K, K)
+        if B * T * T > chunk:
+            return self._pairs(x, chunk)
+        ia, ib = torch.triu_indices(K, K, 1, device=x.device)  # (2, P) every pair a < b
+        step = chunk // (B * T * T)  # pairs per block
+        for p0 in range(0, ia.numel(), step):
+            a, b = ia[p0:p0 + step], ib[p0:p0 + step]  # (k,) each
+            t = x.index_select(1, a).add_(x.index_select(1, b))  # (B, k, T, T)
+            if self.smoothing == 0.0:  # entries may be 0: log 0 would give 0 x -inf
+                tlt = torch.special.xlogy(t, t)  # (B, k, T, T)
+            else:  # t > 0
+                tlt = log_into(t, torch.empty_like(t)).mul_(t)  # (B, k, T, T)
+            out[:, a, b] = tlt.sum(-1).sum(-1, dtype=torch.float64)  # (B, k) rows: float64
+        return out
+
     def batch_results(self) -> torch.Tensor:
         """(B, K, K) float64 on the maps' device: each item's sums over its rows of the heads' JS divergences (nats)."""
         if self._out is None:
             B, L, H, T, _ = self.maps.shape
             x, chunk = self.maps.view(B, L * H, T, T), self._chunk(self.device)  # (B, K, T, T)
             mass, own = self._own(x, chunk)  # (B, K) each
-            pairs = self._pairs(x, chunk)  # (B, K, K)
+            pairs = (self._pair_blocks if self._by_pair_blocks(self.device) else self._pairs)(x, chunk)  # (B, K, K)
             self.maps = None  # the maps are no longer needed
             d = 0.5 * (LN2 * (mass[:, :, None] + mass[:, None, :]) + own[:, :, None] + own[:, None, :] - pairs)
             d = torch.triu(d, diagonal=1).clamp_min(0)  # (B, K, K) pairs a < b; each item clamped, as per sentence
