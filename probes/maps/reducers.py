@@ -42,6 +42,14 @@ FlagFn = Callable[[int, Encoded], Sequence[bool]]
 FLOAT_BYTES = 4  # the states are float32 (statistics: float64, small)
 
 
+def chunk_for(device: torch.device | str | None, cpu: int, gpu: int) -> int:
+    """The most elements of a reducer's chunk temporaries on ``device``: ``cpu`` on a CPU (a chunk within its caches),
+    ``gpu`` elsewhere (few, large chunks: each operation is a kernel launch); None (any device): the larger."""
+    if device is None:
+        return max(cpu, gpu)
+    return cpu if torch.device(device).type == "cpu" else gpu
+
+
 def log_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = log(x)`` elementwise (``out`` of ``x``'s shape, dtype and device; returned). On a CPU through numpy's
     vectorised log, which shares the tensors' memory (2-vCPU AMD EPYC Zen 4, one thread, float32 in the caches:
@@ -345,14 +353,11 @@ class HeadStats(Reducer):
     _DIAGONALS = {"prev": -1, "self": 0, "next": 1}  # key offset j - i of each diagonal statistic
     _TO_KEYS = {"cls": 0, "sep": 1, "sep_sep": 1, "rest_sep": 1, "punct": 2}  # column of the flagged keys' matmul
 
-    def _chunk_elements(self, device) -> int:
-        return self.CPU_CHUNK_ELEMENTS if torch.device(device).type == "cpu" else self.GPU_CHUNK_ELEMENTS
-
     def nbytes(self, layers, heads, positions, items, device=None) -> int:
         """The (B, L', H, S) sums and (B, L', H, K) histogram, per item its flags and row weights, and a chunk's
         temporaries (the device's chunk; None: the larger, a GPU's)."""
         B, T = len(items), max((e.n_pieces for e in items), default=0)
-        most = self._chunk_elements(device) if device is not None else self.GPU_CHUNK_ELEMENTS
+        most = chunk_for(device, self.CPU_CHUNK_ELEMENTS, self.GPU_CHUNK_ELEMENTS)
         chunk = min(most, B * int(heads) * T * (T + min(T, 64)))
         return (B * len(layers) * int(heads) * (len(self.SUMS) + self.bins) * 8
                 + B * T * (4 * FLOAT_BYTES + (3 + len(self._fused)) * 8 + 1) + self.CHUNK_COPIES * chunk * FLOAT_BYTES)
@@ -414,7 +419,8 @@ class HeadStats(Reducer):
         last = min(b, max(self.n))  # rows at or beyond every item's length are padding only
         if last <= a or lo >= max(self.n):
             return
-        step = max(1, self._chunk_elements(probs.device) // (B * H * (c + min(q, 64))))
+        step = max(1, chunk_for(probs.device, self.CPU_CHUNK_ELEMENTS, self.GPU_CHUNK_ELEMENTS)
+                   // (B * H * (c + min(q, 64))))
         for r0 in range(a, last, step):  # a bounded share of the block at a time
             r1 = min(last, r0 + step)
             self._chunk(self._position(layer), probs[:, :, r0 - a:r1 - a].float(), r0, lo)
@@ -629,10 +635,11 @@ class HeadDistances(Reducer):
             raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
         self.dtype, self.chunk_elements = dtype, chunk_elements
 
-    def _chunk(self, device: torch.device) -> int:
+    def _chunk(self, device: torch.device | None) -> int:
+        """``chunk_elements``, else the device's chunk (:func:`chunk_for`; None: the larger)."""
         if self.chunk_elements is not None:
             return int(self.chunk_elements)
-        return self.CPU_CHUNK_ELEMENTS if torch.device(device).type == "cpu" else self.GPU_CHUNK_ELEMENTS
+        return chunk_for(device, self.CPU_CHUNK_ELEMENTS, self.GPU_CHUNK_ELEMENTS)
 
     def _by_pair_blocks(self, device: torch.device) -> bool:
         return self.pair_blocks if self.pair_blocks is not None else torch.device(device).type != "cpu"
@@ -643,8 +650,7 @@ class HeadDistances(Reducer):
         map twice, the (B, K, K) sums."""
         B, T = len(items), max((e.n_pieces for e in items), default=0)
         K, size = len(layers) * int(heads), torch.finfo(self.dtype).bits // 8
-        most = self._chunk(device) if device is not None else (self.chunk_elements or self.GPU_CHUNK_ELEMENTS)
-        chunk = max(B * T, min(most, B * max(K - 1, 1) * T * T))
+        chunk = max(B * T, min(self._chunk(device), B * max(K - 1, 1) * T * T))
         copies = 3 if device is None or self._by_pair_blocks(device) else 2  # pair blocks: a's, b's, t log t
         return (B * K * T * T + copies * chunk + 2 * B * T * T) * size + 4 * B * K * K * 8 + B * T * T
 
@@ -739,9 +745,9 @@ class HeadDistances(Reducer):
         entries at once; a few operations per block whatever the number of heads. Items whose one pair of maps
         exceeds a chunk (long documents) are left to :meth:`_pairs`."""
         B, K, T, _ = x.shape
-        out = torch.zeros(B, K, K, dtype=torch.float64, device=x.device)  # (B, K, K)
         if B * T * T > chunk:
             return self._pairs(x, chunk)
+        out = torch.zeros(B, K, K, dtype=torch.float64, device=x.device)  # (B, K, K)
         ia, ib = torch.triu_indices(K, K, 1, device=x.device)  # (2, P) every pair a < b
         step = chunk // (B * T * T)  # pairs per block
         for p0 in range(0, ia.numel(), step):
