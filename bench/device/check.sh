@@ -24,6 +24,10 @@ QUICK=${QUICK:-0}
 DRY=${DRY:-0}
 LIMIT=${LIMIT:-360}
 OUT=${OUT:-$PWD/.carry/out}
+if [ "$DRY" != 1 ] && [ ! -f .carry/data/ud_english_ewt/en_ewt-ud-train.conllu ]; then
+  echo "check: no .carry/data/ud_english_ewt/en_ewt-ud-train.conllu: run bash bench/device/prepare.sh first" >&2
+  exit 2
+fi
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
 log=$OUT/check.log
 start=$SECONDS
