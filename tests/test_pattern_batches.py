@@ -24,7 +24,7 @@ from probes.analysis.kovaleva.pattern_types import encode_glue, head_predictions
 from probes.maps import MapEngine, pad_id_of
 from probes.measures.attention import Attention
 from probes.model.tiny import tiny_folder
-from probes.patterns.components.cnn import CLASSES
+from probes.patterns.components.cnn import CLASSES, MaxPool2
 from probes.patterns.module import PatternClassifier
 from tests import reference
 
@@ -140,6 +140,25 @@ def test_predict_tensor_equals_predict_maps(classifier):
     assert set(classifier.classes) == set(CLASSES)
 
 
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 3, 9, 7), (2, 5, 2, 3)])
+def test_max_pool2_is_max_pool2d(shape):
+    """The inference net's pool gives nn.MaxPool2d(2)'s maxima, odd sizes floored, NaN kept, in the input's memory
+    format, computed by plain loops over the windows."""
+    x = torch.randn(shape)
+    x[0, 0, 0, 0] = float("nan")
+    B, C, S, W = shape
+    want = torch.empty(B, C, S // 2, W // 2)
+    for i in range(S // 2):
+        for j in range(W // 2):
+            window = x[:, :, 2 * i:2 * i + 2, 2 * j:2 * j + 2].reshape(B, C, 4)
+            want[:, :, i, j] = torch.where(window.isnan().any(-1), float("nan"), window.amax(-1))
+    for layout in (torch.contiguous_format, torch.channels_last):
+        got = MaxPool2()(x.contiguous(memory_format=layout))
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert got[0, 0, 0, 0].isnan() and got.is_contiguous(memory_format=layout)
+        torch.testing.assert_close(got, torch.nn.MaxPool2d(2)(x), rtol=0, atol=0, equal_nan=True)
+
+
 def test_inference_net_is_the_eval_forward():
     """The fused network (BatchNorm folded into the convs, ReLU after the pool, channels-last) gives the logits of
     the plain eval-mode forward to rounding, with non-trivial BatchNorm statistics; building it leaves the module
@@ -168,3 +187,7 @@ def test_inference_net_is_the_eval_forward():
     with torch.no_grad():
         m.net.head[-1].bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 100.0]))  # in place: the version changes
     assert torch.equal(m.predict_tensor(maps), torch.full((40,), 4)) and not torch.equal(before, torch.full((40,), 4))
+    odd = PatternClassifier(size=36, class_weighting="none").eval()  # 36 -> 18 -> 9 -> 4: odd sizes floored
+    x = odd.preprocess_tensor(maps)  # (40, 1, 36, 36)
+    with torch.no_grad():
+        torch.testing.assert_close(odd.inference_net()(x), odd.net(x), rtol=1e-5, atol=1e-5)
