@@ -24,7 +24,8 @@ from probes.analysis.kovaleva.pattern_types import encode_glue, head_predictions
 from probes.maps import MapEngine, pad_id_of
 from probes.measures.attention import Attention
 from probes.model.tiny import tiny_folder
-from probes.patterns.components.cnn import CLASSES, MaxPool2
+from probes.patterns.components.cnn import CLASSES, MaxPool2, preprocess, preprocess_padded
+from probes.patterns import module as pattern_module
 from probes.patterns.module import PatternClassifier
 from tests import reference
 
@@ -138,6 +139,59 @@ def test_predict_tensor_equals_predict_maps(classifier):
         assert torch.equal(classifier.preprocess_tensor(maps), classifier.preprocess(list(maps.numpy())))
     assert classifier.predict_tensor(torch.zeros(0, 4, 4)).shape == (0,)
     assert set(classifier.classes) == set(CLASSES)
+
+
+def _padded(lengths, K: int, T: int, seed: int) -> torch.Tensor:
+    """(B, K, T, T) peaked random maps, item b's real in [:lengths[b], :lengths[b]], NaN in its padding."""
+    g = torch.Generator().manual_seed(seed)
+    maps = torch.full((len(lengths), K, T, T), float("nan"))
+    for b, n in enumerate(lengths):
+        maps[b, :, :n, :n] = torch.softmax(3 * torch.randn(K, n, n, generator=g), -1)
+        maps[b, ::2, :n, 0] += 1.0  # some columns
+    return maps
+
+
+@pytest.mark.parametrize("resize", ["area", "nearest"])
+@pytest.mark.parametrize("size", [32, 20])
+def test_preprocess_padded_equals_each_map_alone(resize, size):
+    """Maps of many lengths padded into one tensor, resized at once (one matrix per length), give each map cut to its
+    length through ``F.interpolate`` (``preprocess``) to the rounding of the sums: lengths below, at and above the
+    size, dividing it or not; the padding (NaN here) never reaches a value."""
+    lengths = [1, 2, 5, 13, 19, 31, 32, 33, 47, 64]
+    maps = _padded(lengths, 3, 70, seed=2)  # (10, 3, 70, 70)
+    got = preprocess_padded(maps, torch.tensor(lengths), size, resize, ("max", "sqrt"))  # (30, 2, size, size)
+    assert got.shape == (30, 2, size, size) and bool(got.isfinite().all())
+    for b, n in enumerate(lengths):
+        want = preprocess(maps[b, :, :n, :n], size, resize, ("max", "sqrt"))  # (3, 2, size, size)
+        torch.testing.assert_close(got[3 * b:3 * b + 3], want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="bilinear"):
+        preprocess_padded(maps, torch.tensor(lengths), size, "bilinear")
+    with pytest.raises(ValueError, match="lengths"):
+        preprocess_padded(maps, torch.tensor([0] + lengths[1:]), size, resize)
+
+
+@pytest.mark.parametrize("resize", ["area", "bilinear"])
+def test_predict_padded_equals_each_item_alone(classifier, resize, monkeypatch):
+    """``predict_padded`` (all lengths at once for area; by length for bilinear, not one matrix per length) gives
+    the classes of ``predict_tensor`` on each item's maps cut to its length (area: but for near ties, where the
+    rounding of the resize may choose the runner-up), whatever the items preprocessed at once."""
+    m = PatternClassifier(channels=("max", "sqrt"), resize=resize, class_weighting="none").eval()
+    m.load_state_dict(classifier.state_dict())
+    lengths = [9, 9, 17, 23, 23, 40, 41]
+    maps = _padded(lengths, 6, 44, seed=3)  # (7, 6, 44, 44)
+    with torch.no_grad():
+        top = [m.net(m.preprocess_tensor(maps[b, :, :n, :n])).topk(2, 1) for b, n in enumerate(lengths)]
+    want = torch.stack([t.indices[:, 0] for t in top])  # (7, 6)
+    second = torch.stack([t.indices[:, 1] for t in top])
+    tie = torch.stack([t.values[:, 0] - t.values[:, 1] for t in top]) < TIE
+    assert len(want.unique()) > 1 and tie.float().mean() < 0.1
+    for elements in (1, 44 * 44 * 6 * 3, 2 ** 20):  # one item, three items, every item at a time
+        monkeypatch.setattr(pattern_module, "CPU_PREPROCESS_ELEMENTS", elements)
+        got = m.predict_padded(maps, torch.tensor(lengths), batch_size=5)
+        assert got.shape == (7, 6) and got.dtype == torch.long
+        assert torch.equal(got[~tie], want[~tie]) and bool(((got == want) | (got == second))[tie].all())
+        if resize == "bilinear":  # by length: exactly predict_tensor's classes of each item's maps
+            assert torch.equal(got, torch.stack([m.predict_tensor(maps[b, :, :n, :n]) for b, n in enumerate(lengths)]))
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 3, 9, 7), (2, 5, 2, 3)])

@@ -38,7 +38,8 @@ from torchmetrics.classification import (MulticlassAccuracy, MulticlassConfusion
                                          MulticlassPrecision, MulticlassRecall)
 
 from probes.io import atomic_write
-from probes.patterns.components.cnn import CLASSES, PatternCNN, preprocess, preprocess_many
+from probes.patterns.components.cnn import (CLASSES, RESIZE_MATRICES, PatternCNN, preprocess, preprocess_many,
+                                            preprocess_padded)
 from probes.training.module import SPLITS, ProbeModule
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 CPU_BATCH_MAPS = 128
 # on an accelerator: large chunks keep it busy (a map's activations are ~64 KiB)
 DEVICE_BATCH_MAPS = 4096
+# padded maps preprocessed at once (:meth:`PatternClassifier.predict_padded`): on a CPU 4 MiB of float32, so that
+# the step's temporaries stay in the caches; on an accelerator a few operations per batch
+CPU_PREPROCESS_ELEMENTS = 2 ** 20
+DEVICE_PREPROCESS_ELEMENTS = 2 ** 27
 
 
 def _split_metrics(n: int) -> dict[str, Metric]:
@@ -142,6 +147,38 @@ class PatternClassifier(ProbeModule):
         if batch_size is None:
             batch_size = CPU_BATCH_MAPS if self.device.type == "cpu" else DEVICE_BATCH_MAPS
         return self._classify(maps, batch_size, self.preprocess_tensor)
+
+    @torch.inference_mode()
+    def predict_padded(self, maps: torch.Tensor, lengths: torch.Tensor, batch_size: int | None = None
+                       ) -> torch.Tensor:
+        """(B, K) long class index of each of K maps of B items padded to one length, in eval mode: maps (B, K, T,
+        T), item b's real in ``[:lengths[b], :lengths[b]]``; the same classes as :meth:`predict_tensor` on each
+        item's maps cut to its length (network inputs to the rounding of the resize, ~1e-7). With an area or nearest
+        resize (:data:`~probes.patterns.components.cnn.RESIZE_MATRICES`) the items are preprocessed together, a few
+        operations whatever their lengths (:func:`~probes.patterns.components.cnn.preprocess_padded`, as many items
+        at once as :data:`CPU_PREPROCESS_ELEMENTS` or :data:`DEVICE_PREPROCESS_ELEMENTS` padded entries hold), and
+        classified ``batch_size`` maps at a time (None: as :meth:`predict_tensor`); with another resize the items
+        of each length together. On the maps' device; the result on the module's."""
+        if maps.dim() != 4:
+            raise ValueError(f"expected (B, K, T, T) maps, got {tuple(maps.shape)}")
+        B, K, T, _ = maps.shape
+        lengths = torch.as_tensor(lengths, device=maps.device)  # (B,)
+        hp = self.hparams
+        out = torch.empty(B, K, dtype=torch.long, device=self.device)  # (B, K)
+        if hp.resize not in RESIZE_MATRICES:
+            for t in torch.unique(lengths).tolist():  # each distinct length, not each item
+                idx = (lengths == t).nonzero().squeeze(1)  # (G,) the items of t pieces
+                group = maps[:, :, :t, :t].index_select(0, idx).reshape(-1, t, t)  # (G K, t, t)
+                out[idx.to(self.device)] = self.predict_tensor(group, batch_size).view(-1, K)
+            return out
+        if batch_size is None:
+            batch_size = CPU_BATCH_MAPS if self.device.type == "cpu" else DEVICE_BATCH_MAPS
+        elements = CPU_PREPROCESS_ELEMENTS if maps.device.type == "cpu" else DEVICE_PREPROCESS_ELEMENTS
+        step = max(1, elements // max(K * T * T, 1))  # items preprocessed at once (at least one)
+        for b in range(0, B, step):
+            x = preprocess_padded(maps[b:b + step], lengths[b:b + step], hp.size, hp.resize, self.channels)  # (G K,
+            out[b:b + step] = self._classify(x, batch_size, lambda chunk: chunk).view(-1, K)  # C, size, size)
+        return out
 
     def predict_labels(self, maps: Sequence[np.ndarray], batch_size: int = 512) -> list[str]:
         """Class name of every (T, T) map (:meth:`predict_maps`)."""

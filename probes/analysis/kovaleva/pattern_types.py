@@ -90,10 +90,9 @@ def head_predictions(classifier, model, items: list[Encoded], device: str = "cpu
     """(N, L, H) class index of every example's map of every head (in ``items`` order).
 
     Batch by batch on the maps' device (:meth:`probes.maps.MapEngine.iter_piece_map_batches`, (B, L, H, T, T)
-    padded maps): the sentences of each length t in the batch are taken together, their maps
-    ``maps[idx, :, :, :t, :t]`` preprocessed and classified at once by the CNN
-    (:meth:`probes.patterns.module.PatternClassifier.predict_tensor`, the preprocessing of training and of
-    ``predict_maps``); only the (B, L, H) class indices come to the host."""
+    padded maps): the batch's maps preprocessed and classified by the CNN together, whatever their lengths
+    (:func:`classify_batch`; the preprocessing of training and of ``predict_maps``, to the rounding of the resize);
+    only the (B, L, H) class indices come to the host."""
     pred = None
     engine = MapEngine(model, Attention(), pad_id=pad_id, device=device, max_tokens=max_tokens, max_batch_size=64,
                        max_pairs=None)
@@ -108,15 +107,10 @@ def head_predictions(classifier, model, items: list[Encoded], device: str = "cpu
 
 def classify_batch(classifier, maps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """(B, L, H) long class of every head's map of a padded batch, on the maps' device: maps (B, L, H, T, T), the
-    sentence b's at ``[b, :, :, :lengths[b], :lengths[b]]``; the sentences of each distinct length classified
-    together (:meth:`~probes.patterns.module.PatternClassifier.predict_tensor`)."""
-    B, L, H = maps.shape[:3]
-    classes = torch.empty(B, L, H, dtype=torch.long, device=maps.device)  # (B, L, H)
-    for t in torch.unique(lengths).tolist():  # each distinct length of the batch, not each sentence
-        idx = (lengths == t).nonzero().squeeze(1)  # (G,) the batch's sentences of t pieces
-        group = maps[:, :, :, :t, :t].index_select(0, idx).reshape(-1, t, t)  # (G * L * H, t, t)
-        classes[idx] = classifier.predict_tensor(group).to(maps.device).view(-1, L, H)
-    return classes
+    sentence b's at ``[b, :, :, :lengths[b], :lengths[b]]``; the sentences of all lengths classified together
+    (:meth:`~probes.patterns.module.PatternClassifier.predict_padded`)."""
+    B, L, H, T, _ = maps.shape
+    return classifier.predict_padded(maps.reshape(B, L * H, T, T), lengths).to(maps.device).view(B, L, H)
 
 
 def count_predictions(pred: np.ndarray, n_classes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -63,18 +63,83 @@ def preprocess(maps: torch.Tensor | np.ndarray, size: int = 32, resize: str = "a
         raise ValueError(f"expected (T, T) or (B, T, T) maps, got {tuple(x.shape)}")
     if resize not in RESIZE_MODES:
         raise ValueError(f"resize must be one of {RESIZE_MODES}, got {resize!r}")
+    _check_channels(channels)
     peak = x.flatten(1).amax(1).clamp_min(1e-12)[:, None, None]
     x = (x / peak).clamp_min(0.0)[:, None]  # (B, 1, T, T) in [0, 1]
     if resize == "bilinear":
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
     else:
         x = F.interpolate(x, size=(size, size), mode=resize)
+    return _with_channels(x, channels)
+
+
+def _check_channels(channels: Sequence[str]) -> None:
     unknown = [c for c in channels if c not in CHANNELS]
     if unknown:
         raise ValueError(f"unknown channel {unknown[0]!r}; expected one of {CHANNELS}")
+
+
+def _with_channels(x: torch.Tensor, channels: Sequence[str]) -> torch.Tensor:
+    """(N, 1, S, S) scaled and resized maps -> (N, C, S, S), the ``channels`` of each (the one ``max`` channel: x
+    itself, no copy)."""
     if tuple(channels) == ("max",):
-        return x  # (B, 1, size, size): no copy into a concatenation of one
+        return x
     return torch.cat([x if c == "max" else x.clamp_min(0).sqrt() for c in channels], 1)
+
+
+def area_matrix(n: torch.Tensor, T: int, size: int) -> torch.Tensor:
+    """(M, size, T) the rows of area interpolation (``F.interpolate(mode="area")``, adaptive average pooling) of a
+    length n_m to ``size`` as a matrix: row i averages the positions ``floor(i n / size) .. ceil((i + 1) n / size)
+    - 1``; the columns n_m .. T - 1 (padding) are zero. n: (M,) long, 1 <= n_m <= T."""
+    i = torch.arange(size, device=n.device)  # (size,)
+    start = (i[None] * n[:, None]) // size  # (M, size)
+    end = ((i[None] + 1) * n[:, None] + size - 1) // size  # (M, size)
+    t = torch.arange(T, device=n.device)  # (T,)
+    inside = (t[None, None] >= start[..., None]) & (t[None, None] < end[..., None])  # (M, size, T)
+    return inside.float() / (end - start).float()[..., None]
+
+
+def nearest_matrix(n: torch.Tensor, T: int, size: int) -> torch.Tensor:
+    """(M, size, T) nearest interpolation (``mode="nearest"``: row i takes position ``floor(i * (n / size))``, in
+    float32 as torch computes it) as a matrix; the columns n_m .. T - 1 (padding) are zero."""
+    i = torch.arange(size, device=n.device, dtype=torch.float32)  # (size,)
+    src = (i[None] * (n.float() / size)[:, None]).floor().long().minimum(n[:, None] - 1)  # (M, size)
+    return F.one_hot(src, T).float()
+
+
+# resize modes that are one matrix per length (a map of n pieces resized is R X R^T, R (size, n)): maps of
+# different lengths padded into one tensor are resized at once (:func:`preprocess_padded`)
+RESIZE_MATRICES = {"area": area_matrix, "nearest": nearest_matrix}
+
+
+def preprocess_padded(maps: torch.Tensor, lengths: torch.Tensor, size: int = 32, resize: str = "area",
+                      channels: Sequence[str] = ("max",)) -> torch.Tensor:
+    """Padded maps of different lengths at once, as :func:`preprocess` of each map cut to its length (to the rounding
+    of the resize's sums, ~1e-7): maps (B, K, T, T), item b's K maps real in ``[:lengths[b], :lengths[b]]`` (the
+    rest ignored, non-finite values included) -> (B K, C, size, size) float32, on the maps' device. Each map scaled
+    by its largest real entry and clamped at 0, then resized by the matrix of its length (``R X R^T``,
+    :data:`RESIZE_MATRICES`: area and nearest; ValueError for another mode: resize such maps by length with
+    :func:`preprocess`)."""
+    if maps.dim() != 4 or maps.shape[-1] != maps.shape[-2] or maps.shape[-1] == 0:
+        raise ValueError(f"expected (B, K, T, T) maps, got {tuple(maps.shape)}")
+    if resize not in RESIZE_MATRICES:
+        raise ValueError(f"resize {resize!r} is not one matrix per length; padded maps need one of "
+                         f"{tuple(RESIZE_MATRICES)} (or preprocess() on the maps of each length)")
+    _check_channels(channels)
+    B, K, T, _ = maps.shape
+    n = torch.as_tensor(lengths, device=maps.device).long()  # (B,)
+    if n.shape != (B,) or bool(((n < 1) | (n > T)).any()):
+        raise ValueError(f"lengths: expected {B} values in 1..{T}, got {n.tolist()}")
+    real = torch.arange(T, device=maps.device)[None] < n[:, None]  # (B, T)
+    x = torch.where((real[:, :, None] & real[:, None, :])[:, None], maps.float(), 0.0)  # (B, K, T, T)
+    peak = x.flatten(2).amax(2).clamp_min(1e-12)[:, :, None, None]  # (B, K, 1, 1) each map's largest real entry
+    x = x.div_(peak).clamp_min_(0.0)  # (B, K, T, T) in [0, 1], padding 0
+    R = RESIZE_MATRICES[resize](n, T, size)  # (B, size, T)
+    # two products with B large matrices each (not B K small ones): the keys, then the queries of all K maps at once
+    y = torch.bmm(x.view(B, K * T, T), R.transpose(1, 2))  # (B, K T, size) = X R^T
+    y = y.view(B, K, T, size).permute(0, 2, 1, 3).reshape(B, T, K * size)  # (B, T, K size)
+    z = torch.bmm(R, y).view(B, size, K, size).permute(0, 2, 1, 3)  # (B, K, size, size) = R X R^T
+    return _with_channels(z.reshape(B * K, 1, size, size), channels)
 
 
 def preprocess_many(maps: Sequence[np.ndarray], size: int = 32, resize: str = "area",
