@@ -3,6 +3,11 @@ run (issue 43).
 
     python bench/analysis_speed.py [--encoder minilm] [--sentences 1000] [--threads 1] [--device cpu|cuda]
         [--precision 32-true|bf16-mixed] [--analyses head_stats sink] [--rounds 3] [--data-dir DIR] [--out f.json]
+        [--ops [--device-steps]]
+
+``--ops``: also the operators each dispatches per 1,000 pieces (one more untimed run of each under torch's profiler:
+on a GPU each is a launch, a few microseconds of host time however small its work); ``--device-steps`` counts them
+with the reductions' work cut as on an accelerator (:func:`device_steps`), so that a CPU gives a GPU's count.
 
 Inputs: the first ``--sentences`` sentences of UD EWT dev (``--split``; 0: all), read as each analysis reads them:
 ``head_stats`` Clark's pairs of consecutive sentences of a document (its default input; ``head_stats_single``: each
@@ -20,8 +25,9 @@ on the gold UD labels, its ``source=treebank``).
 ``bert-base-random``: bert-base's shape with random weights and the MiniLM vocabulary, no download; or a folder).
 
 ``--precision bf16-mixed``: the whole model held in bf16 (:func:`probes.model.frozen.compute_in`, as the extraction
-stage computes at ``bf16-mixed``, and what ``encoder.dtype=bfloat16`` gives an analysis of a live model), under
-autocast for the rest.
+stage computes at ``bf16-mixed``, and what ``encoder.dtype=bfloat16`` gives an analysis of a live model), without
+autocast, as the analyses run: their reductions compute in their own dtypes (the caches of dep_heads and coref_heads
+are built by the extraction stage at that precision, its autocast included).
 
 For each analysis, in alternation for ``--rounds`` rounds (the best of each kept), on the same inputs and batches:
 
@@ -87,6 +93,7 @@ from probes.analysis.kovaleva import pattern_types  # noqa: E402
 from probes.analysis.kovaleva.linguistic_attention import scoring  # noqa: E402
 from probes.analysis.kovaleva.linguistic_attention.examples import treebank_items  # noqa: E402
 from probes.analysis.kovaleva.linguistic_attention.rules import KindRules  # noqa: E402
+from probes.patterns import module as pattern_module  # noqa: E402
 from probes.patterns.module import PatternClassifier  # noqa: E402
 from probes.config import compose, plain  # noqa: E402
 from probes.data.sources import Treebank  # noqa: E402
@@ -178,6 +185,27 @@ def host_outside_forward(m: dict) -> float:
     """A run's CPU-s outside the model's forward and the reductions: its host work (and, for bare, the engine's own)."""
     forward = m.get("forward_cpu_s", 0.0) - m.get("reductions_in_forward_cpu_s", 0.0)
     return m["cpu_s"] - forward - m.get("reductions_cpu_s", 0.0)
+
+
+@contextlib.contextmanager
+def device_steps():
+    """Inside: the reductions cut their work as on an accelerator whatever the device (HeadStats' and HeadDistances'
+    chunks, HeadDistances' blocks of pairs, the pattern CNN's steps and batches), so that a CPU counts the operations
+    a GPU dispatches (``--ops --device-steps``; the counts, not the times, are a GPU's)."""
+    settings = [(HeadStats, "CPU_CHUNK_ELEMENTS", HeadStats.GPU_CHUNK_ELEMENTS),
+                (HeadDistances, "CPU_CHUNK_ELEMENTS", HeadDistances.GPU_CHUNK_ELEMENTS),
+                (HeadDistances, "_by_pair_blocks",
+                 lambda self, device: True if self.pair_blocks is None else self.pair_blocks),
+                (pattern_module, "CPU_BATCH_MAPS", pattern_module.DEVICE_BATCH_MAPS),
+                (pattern_module, "CPU_PREPROCESS_ELEMENTS", pattern_module.DEVICE_PREPROCESS_ELEMENTS)]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in settings]
+    try:
+        for owner, name, value in settings:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def dispatched(run, device: str) -> dict:
@@ -339,6 +367,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", action="store_true",
                     help="also count, in one more untimed run of each, the operators dispatched (and on CUDA the "
                          "kernels) per 1,000 pieces")
+    ap.add_argument("--device-steps", action="store_true",
+                    help="with --ops: count with the reductions' work cut as on an accelerator (chunks, blocks of "
+                         "pairs, the pattern CNN's steps), whatever --device: a GPU's operations counted on a CPU")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -348,24 +379,24 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.sentences < 0:
         ap.error(f"--sentences must be >= 0 (0: all), got {args.sentences}")
+    if args.device_steps and not args.ops:
+        ap.error("--device-steps changes only the operator count: give --ops with it")
     torch.set_num_threads(args.threads)
     path = Path(args.data_dir) / "ud_english_ewt" / f"en_ewt-ud-{args.split}.conllu"
     sentences = read_conllu(path)
     sentences = sentences[:args.sentences] if args.sentences > 0 else sentences
     enc = load_bench_encoder(args.encoder)
-    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else None
-    autocast = (torch.autocast(torch.device(args.device).type, dtype=dtype) if dtype is not None
-                else contextlib.nullcontext())
     machine = cpu_description()
     print(f"{machine}; torch {torch.__version__}, {args.threads} thread(s); {enc.name} on {args.device}, "
           f"{args.precision}; {len(sentences)} sentences of {path.name}", flush=True)
     results = dict(machine=machine, torch=torch.__version__, threads=args.threads, encoder=enc.name,
                    device=args.device, precision=args.precision, sentences=len(sentences), split=args.split,
-                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), analyses={})
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), analyses={},
+                   **(dict(ops_with_device_steps=True) if args.ops and args.device_steps else {}))
     kw = dict(max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
-    # bf16-mixed as the project's extraction runs it: the whole model held in bf16 (no per-call casts of the weights:
-    # what encoder.dtype=bfloat16 gives a streamed analysis), under autocast for the rest
-    with autocast, compute_in(enc.model, args.precision), tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
+    # bf16-mixed: the whole model held in bf16 (what encoder.dtype=bfloat16 gives a streamed analysis), no autocast, as
+    # the analyses run: the reductions compute in their own dtypes (under autocast their float32 matmuls went bf16)
+    with compute_in(enc.model, args.precision), tempfile.TemporaryDirectory(prefix="analysis-speed-") as tmp:
         for analysis in args.analyses:
             coref = (coref_data(enc, args.data_dir, args.split, len(sentences)) if analysis in COREF
                      else None)
@@ -405,9 +436,10 @@ def main(argv=None) -> dict:
             ops = {}
             if args.ops:  # one more run of each under the profiler (untimed): what each dispatches per 1,000 pieces
                 for which in ("bare", analysis):
-                    counted = dispatched(functools.partial(run_bare, enc, encoded, args.device, **kw) if which == "bare"
-                                         else functools.partial(run_analysis, analysis, enc, items, args.device, **kw,
-                                                                cached=cached), args.device)
+                    run = (functools.partial(run_bare, enc, encoded, args.device, **kw) if which == "bare" else
+                           functools.partial(run_analysis, analysis, enc, items, args.device, **kw, cached=cached))
+                    with device_steps() if args.device_steps else contextlib.nullcontext():
+                        counted = dispatched(run, args.device)
                     ops[which] = {f"{k}_per_1000_pieces": round(v / pieces * 1000, 1) for k, v in counted.items()}
                 if analysis in CACHED:  # the scoring alone was run: the analysis is the extraction's maps + it
                     ops["scoring"] = ops.pop(analysis)
@@ -447,7 +479,8 @@ def main(argv=None) -> dict:
                   f"forwards, each run's own: {row['host_outside_forward_cpu_s_per_1000']:+})" + (f"; GPU peak {mine.get('gpu_peak_gib')} GiB"
                                                       if args.device == "cuda" else ""), flush=True)
             if ops:
-                print(f"{analysis}: dispatched per 1,000 pieces (one more run each, untimed): "
+                steps = " with a device's steps" if args.device_steps else ""
+                print(f"{analysis}: dispatched per 1,000 pieces{steps} (one more run each, untimed): "
                       + "; ".join(f"{which} " + ", ".join(f"{v:g} {k.removesuffix('_per_1000_pieces')}"
                                                           for k, v in counted.items())
                                   for which, counted in ops.items()), flush=True)
