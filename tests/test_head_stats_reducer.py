@@ -21,7 +21,8 @@ import probes
 from probes.analysis.beyond.sink import first_token_alpha
 from probes.analysis.clark import head_stats
 from probes.data.conllu import read_conllu
-from probes.model.inputs import encode_words
+from probes.maps.reducers import HeadStats
+from probes.model.inputs import Encoded, encode_words
 from probes.model.tiny import tiny_folder
 from tests import reference
 
@@ -88,8 +89,6 @@ def test_sink_alpha_equals_a_per_sentence_loop(model):
 def test_reducer_reads_no_padding_row():
     """Padding rows of a batch, even non-finite ones, never reach a sum: the batched statistics equal each item
     reduced alone, whole or in blocks of rows, and a subset of statistics equals the same entries of all."""
-    from probes.maps.reducers import HeadStats
-    from probes.model.inputs import Encoded
 
     g = torch.Generator().manual_seed(0)
     ns, H = [7, 3, 1, 9], 2
@@ -131,8 +130,6 @@ def test_windowed_blocks_of_rows_and_keys_equal_loops(monkeypatch, chunk):
     see (so a block's keys start after position 0, as the engine hands a sliding-window layer's blocks), whole or in
     chunks of one row, with padding rows holding NaN: every statistic equals the plain loops on each item's map, and
     ``cls`` alone equals the same."""
-    from probes.maps.reducers import HeadStats
-    from probes.model.inputs import Encoded
 
     if chunk is not None:
         monkeypatch.setattr(HeadStats, "CPU_CHUNK_ELEMENTS", chunk)
@@ -172,3 +169,22 @@ def test_windowed_blocks_of_rows_and_keys_equal_loops(monkeypatch, chunk):
             for g_ in got:
                 np.testing.assert_allclose(g_[k][i].numpy(), want[k], rtol=1e-5, atol=1e-7, err_msg=k)
         np.testing.assert_allclose(cls[i].numpy(), want["cls"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("which", ["sep", "punct"])
+def test_flags_of_the_wrong_length_are_refused(which):
+    """A separator or punctuation callback that gives one flag too few is refused at the batch's start, naming the
+    item (not broadcast, not padded); flags given as lists of 0/1 or as tensors are read alike."""
+    items = [Encoded(list(range(n)), list(range(n)), n) for n in (4, 6)]
+    good = {0: [0, 1, 0, 1], 1: torch.tensor([False, False, True, False, False, True])}
+    flags = {k: (v[:-1] if k == 1 else v) for k, v in good.items()}  # item 1: one flag short
+    kw = {which: lambda k, e: flags[k]}
+    with pytest.raises(ValueError, match="item 1: .*one entry per piece \\(6\\)"):
+        HeadStats(**kw).start([0], 2, [0, 1], items, 6, torch.device("cpu"))
+    reducer = HeadStats(sep=lambda k, e: good[k], punct=lambda k, e: good[k])
+    sep, punct = reducer._flags([0, 1], items, 7)  # (2, 7) each, padding False
+    want = torch.tensor([[0, 1, 0, 1, 0, 0, 0], [0, 0, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    assert torch.equal(sep, want) and torch.equal(punct, want)
+    sep, punct = HeadStats()._flags([0, 1], items, 7)  # no callbacks: the last piece separates, no punctuation
+    assert torch.equal(sep, torch.tensor([[0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0]], dtype=torch.bool))
+    assert not punct.any()

@@ -364,16 +364,20 @@ class HeadStats(Reducer):
 
     def _flags(self, positions, items, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(separators (B, T) bool, punctuation (B, T) bool) of the batch, padding False: one tensor per batch."""
-        sep, punct = [], []
-        for k, e in zip(positions, items):
+        sep, punct = np.zeros((len(items), T), dtype=bool), np.zeros((len(items), T), dtype=bool)  # (B, T) each
+        for b, (k, e) in enumerate(zip(positions, items)):  # each item's flags from its callbacks, written in place
             n = e.n_pieces
-            s = [False] * (n - 1) + [True] if self.sep_of is None else [bool(x) for x in self.sep_of(k, e)]
-            p = [bool(x) for x in self.punct_of(k, e)] if self.punct_of is not None else [False] * n
-            if len(s) != n or len(p) != n:
+            s = self.sep_of(k, e) if self.sep_of is not None else None
+            p = self.punct_of(k, e) if self.punct_of is not None else None
+            if (s is not None and len(s) != n) or (p is not None and len(p) != n):
                 raise ValueError(f"item {k}: separator / punctuation flags must have one entry per piece ({n})")
-            sep.append(s + [False] * (T - n))
-            punct.append(p + [False] * (T - n))
-        return torch.tensor(sep, dtype=torch.bool), torch.tensor(punct, dtype=torch.bool)
+            if s is None:
+                sep[b, n - 1] = True
+            else:
+                sep[b, :n] = s
+            if p is not None:
+                punct[b, :n] = p
+        return torch.from_numpy(sep), torch.from_numpy(punct)
 
     def start(self, layers, heads, positions, items, T, device) -> None:
         self._set_layers(layers, heads)
