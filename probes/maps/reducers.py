@@ -717,7 +717,6 @@ class HeadDistances(Reducer):
         keys, in chunks of items x heads x rows x T' elements."""
         B, K, T, _ = x.shape
         out = torch.zeros(B, K, K, dtype=torch.float64, device=x.device)  # (B, K, K)
-        exact_zeros = self.smoothing == 0.0  # entries may be 0: log 0 would give 0 x -inf
         buf_t = buf_l = None
         for i, j, Tr in self._runs():
             xr, n = x[i:j, :, :Tr, :Tr], j - i  # (n, K, T', T')
@@ -737,13 +736,16 @@ class HeadDistances(Reducer):
                         xb = xr[:, b0:b0 + heads, r0:r0 + rows]  # (n, k, q, T')
                         shape = (n, xb.shape[1], xb.shape[2], Tr)
                         t = torch.add(xa, xb, out=buf_t[:math.prod(shape)].view(shape))  # (n, k, q, T')
-                        tlt = buf_l[:t.numel()].view(shape)  # (n, k, q, T')
-                        if exact_zeros:
-                            torch.special.xlogy(t, t, out=tlt)
-                        else:  # t > 0: log then an in-place product (faster than xlogy on a CPU)
-                            log_into(t, tlt).mul_(t)
+                        tlt = self._t_log_t(t, buf_l[:t.numel()].view(shape))  # (n, k, q, T')
                         out[i:j, a, b0:b0 + heads] += tlt.sum(-1).sum(-1, dtype=torch.float64)  # rows: float64
         return out
+
+    def _t_log_t(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = t log t`` (returned): with smoothing t > 0, log then an in-place product (faster than ``xlogy`` on
+        a CPU); without, entries may be 0 and ``xlogy`` keeps 0 log 0 = 0."""
+        if self.smoothing == 0.0:
+            return torch.special.xlogy(t, t, out=out)
+        return log_into(t, out).mul_(t)
 
     def _pair_blocks(self, x: torch.Tensor, chunk: int) -> torch.Tensor:
         """As :meth:`_pairs` (x (B, K, T, T) -> (B, K, K) float64, 0 where a >= b), over the whole batch as one run:
@@ -760,10 +762,7 @@ class HeadDistances(Reducer):
         for p0 in range(0, ia.numel(), step):
             a, b = ia[p0:p0 + step], ib[p0:p0 + step]  # (k,) each
             t = x.index_select(1, a).add_(x.index_select(1, b))  # (B, k, T, T)
-            if self.smoothing == 0.0:  # entries may be 0: log 0 would give 0 x -inf
-                tlt = torch.special.xlogy(t, t)  # (B, k, T, T)
-            else:  # t > 0
-                tlt = log_into(t, torch.empty_like(t)).mul_(t)  # (B, k, T, T)
+            tlt = self._t_log_t(t, torch.empty_like(t))  # (B, k, T, T)
             out[:, a, b] = tlt.sum(-1).sum(-1, dtype=torch.float64)  # (B, k) rows: float64
         return out
 

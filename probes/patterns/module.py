@@ -144,9 +144,14 @@ class PatternClassifier(ProbeModule):
         module's device (the same classes as :meth:`predict_maps`); the result is on the module's device."""
         if maps.dim() != 3:
             raise ValueError(f"expected (M, T, T) maps, got {tuple(maps.shape)}")
-        if batch_size is None:
-            batch_size = CPU_BATCH_MAPS if self.device.type == "cpu" else DEVICE_BATCH_MAPS
-        return self._classify(maps, batch_size, self.preprocess_tensor)
+        return self._classify(maps, self._batch_maps(batch_size), self.preprocess_tensor)
+
+    def _batch_maps(self, batch_size: int | None) -> int:
+        """Maps the CNN classifies at once: ``batch_size``, else :data:`CPU_BATCH_MAPS` on a CPU and
+        :data:`DEVICE_BATCH_MAPS` on an accelerator."""
+        if batch_size is not None:
+            return batch_size
+        return CPU_BATCH_MAPS if self.device.type == "cpu" else DEVICE_BATCH_MAPS
 
     @torch.inference_mode()
     def predict_padded(self, maps: torch.Tensor, lengths: torch.Tensor, batch_size: int | None = None
@@ -171,13 +176,13 @@ class PatternClassifier(ProbeModule):
                 group = maps[:, :, :t, :t].index_select(0, idx).reshape(-1, t, t)  # (G K, t, t)
                 out[idx.to(self.device)] = self.predict_tensor(group, batch_size).view(-1, K)
             return out
-        if batch_size is None:
-            batch_size = CPU_BATCH_MAPS if self.device.type == "cpu" else DEVICE_BATCH_MAPS
+        batch_size = self._batch_maps(batch_size)
         elements = CPU_PREPROCESS_ELEMENTS if maps.device.type == "cpu" else DEVICE_PREPROCESS_ELEMENTS
         step = max(1, elements // max(K * T * T, 1))  # items preprocessed at once (at least one)
         for b in range(0, B, step):
-            x = preprocess_padded(maps[b:b + step], lengths[b:b + step], hp.size, hp.resize, self.channels)  # (G K,
-            out[b:b + step] = self._classify(x, batch_size, lambda chunk: chunk).view(-1, K)  # C, size, size)
+            # (G K, C, size, size) the network inputs of the step's G items
+            x = preprocess_padded(maps[b:b + step], lengths[b:b + step], hp.size, hp.resize, self.channels)
+            out[b:b + step] = self._classify(x, batch_size, lambda chunk: chunk).view(-1, K)
         return out
 
     def predict_labels(self, maps: Sequence[np.ndarray], batch_size: int = 512) -> list[str]:
