@@ -190,6 +190,8 @@ def test_predict_padded_equals_each_item_alone(classifier, resize, monkeypatch):
         got = m.predict_padded(maps, torch.tensor(lengths), batch_size=5)
         assert got.shape == (7, 6) and got.dtype == torch.long
         assert torch.equal(got[~tie], want[~tie]) and bool(((got == want) | (got == second))[tie].all())
+        with pytest.raises(ValueError, match="one per item"):
+            m.predict_padded(maps, torch.tensor(lengths[:-1]))
         if resize == "bilinear":  # by length: exactly predict_tensor's classes of each item's maps
             assert torch.equal(got, torch.stack([m.predict_tensor(maps[b, :, :n, :n]) for b, n in enumerate(lengths)]))
 

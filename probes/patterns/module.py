@@ -168,6 +168,8 @@ class PatternClassifier(ProbeModule):
             raise ValueError(f"expected (B, K, T, T) maps, got {tuple(maps.shape)}")
         B, K, T, _ = maps.shape
         lengths = torch.as_tensor(lengths, device=maps.device)  # (B,)
+        if lengths.shape != (B,):
+            raise ValueError(f"lengths: expected one per item ({B}), got shape {tuple(lengths.shape)}")
         hp = self.hparams
         out = torch.empty(B, K, dtype=torch.long, device=self.device)  # (B, K)
         if hp.resize not in RESIZE_MATRICES:
